@@ -1,0 +1,1 @@
+"""corral proxy: the OpenAI-compatible HTTP front."""

@@ -1,0 +1,1 @@
+"""corral supervisor: child processes, memory, policy."""

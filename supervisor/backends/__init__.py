@@ -1,0 +1,1 @@
+"""Adapters, one per kind of child server."""

@@ -1,0 +1,25 @@
+"""What every backend adapter answers. Adapters build argv and describe readiness; they never
+touch processes (that is supervisor.process's job)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from corral.supervisor.config import ModelSpec
+
+
+class BinaryNotFound(RuntimeError):
+    """No executable for a backend could be found; the message says how to install one."""
+
+
+class Backend(Protocol):
+    kind: str
+    health_path: str
+
+    def argv(self, spec: ModelSpec, port: int) -> list[str]:
+        """The full argv (binary first) that serves `spec` on 127.0.0.1:`port`."""
+        ...
+
+    def env(self, spec: ModelSpec) -> dict[str, str]:
+        """Extra environment for the child, on top of the daemon's."""
+        ...

@@ -1,0 +1,308 @@
+"""YAML → validated config objects, with errors that point at file:line and the offending key."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+BackendKind = Literal["llama-server"]
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: a typo like `tll: 60` must not pass silently.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Defaults(_Strict):
+    ttl: float = Field(300, ge=0, description="idle seconds before a model is stopped; 0 = never")
+    ctx: int = Field(4096, ge=0)
+    start_timeout: float = Field(120, gt=0)
+    parallel: int = Field(1, ge=1)
+    n_gpu_layers: int = -1
+    max_queue: int = Field(64, ge=0, description="requests waiting per model before 429")
+    queue_timeout: float = Field(300, gt=0, description="seconds a request waits for a slot")
+    stop_grace: float = Field(10, ge=0, description="seconds between SIGTERM and SIGKILL")
+
+
+class PolicyConfig(_Strict):
+    max_loaded: int = Field(4, ge=1)
+    evict_timeout: float = Field(
+        30, gt=0, description="seconds a cold start waits for a busy model to drain before 503"
+    )
+
+
+class ModelConfig(_Strict):
+    backend: BackendKind = "llama-server"
+    model: str
+    aliases: list[str] = []
+    ttl: float | None = Field(None, ge=0)
+    ctx: int | None = Field(None, ge=0)
+    parallel: int | None = Field(None, ge=1)
+    n_gpu_layers: int | None = None
+    cache_type_k: KvCacheType | None = None
+    cache_type_v: KvCacheType | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    binary: str | None = None
+    start_timeout: float | None = Field(None, gt=0)
+
+
+class Config(_Strict):
+    listen: str = "127.0.0.1:8080"
+    models_dir: str | None = None
+    api_keys: list[str] = []
+    admin_api_keys: list[str] = []
+    max_body_mb: float = Field(32, gt=0)
+    shutdown_grace: float = Field(30, ge=0)
+    state_dir: str | None = None
+    binary: str | None = None
+    defaults: Defaults = Defaults()
+    policy: PolicyConfig = PolicyConfig()
+    models: dict[str, ModelConfig] = {}
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_has_port(cls, value: str) -> str:
+        split_listen(value)
+        return value
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model with every default filled in and every path absolute: what a backend needs."""
+
+    name: str
+    backend: BackendKind
+    model_path: Path
+    aliases: tuple[str, ...]
+    ttl: float
+    ctx: int
+    parallel: int
+    n_gpu_layers: int
+    cache_type_k: str | None
+    cache_type_v: str | None
+    args: tuple[str, ...]
+    env: dict[str, str]
+    binary: str | None
+    start_timeout: float
+    max_queue: int
+    queue_timeout: float
+    stop_grace: float
+    discovered: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    file: str
+    line: int | None
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.key or '<top>'}: {self.message}"
+
+
+class ConfigError(Exception):
+    def __init__(self, issues: list[ConfigIssue]):
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The validated file plus the resolved model table the daemon runs."""
+
+    config: Config
+    models: dict[str, ModelSpec]
+    source: Path | None
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def load_config(path: Path | str) -> LoadedConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")]) from exc
+    return parse_config(text, source=path)
+
+
+def parse_config(text: str, source: Path | None = None) -> LoadedConfig:
+    filename = str(source) if source else "<config>"
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([ConfigIssue(filename, line, "", f"invalid YAML: {problem}")]) from exc
+    lines: dict[tuple[str | int, ...], int] = {}
+    if root is not None:
+        _collect_lines(root, (), lines)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigIssue(filename, 1, "", "the top level must be a mapping")])
+
+    issues: list[ConfigIssue] = []
+    data = _expand_env(data, (), lines, filename, issues)
+    if issues:
+        raise ConfigError(issues)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc), err["msg"]))
+        raise ConfigError(issues) from exc
+
+    base_dir = source.parent.resolve() if source else Path.cwd()
+    return resolve(config, base_dir, source, lines)
+
+
+def default_config(models_dir: Path) -> LoadedConfig:
+    """The embedded default: every *.gguf in models_dir, on demand, under the default policy."""
+    return resolve(Config(models_dir=str(models_dir)), Path.cwd(), None, {})
+
+
+def resolve(
+    config: Config,
+    base_dir: Path,
+    source: Path | None,
+    lines: dict[tuple[str | int, ...], int],
+) -> LoadedConfig:
+    filename = str(source) if source else "<config>"
+    issues: list[ConfigIssue] = []
+    d = config.defaults
+    models: dict[str, ModelSpec] = {}
+    for name, m in config.models.items():
+        models[name] = ModelSpec(
+            name=name,
+            backend=m.backend,
+            model_path=_absolute(m.model, base_dir),
+            aliases=tuple(m.aliases),
+            ttl=d.ttl if m.ttl is None else m.ttl,
+            ctx=d.ctx if m.ctx is None else m.ctx,
+            parallel=d.parallel if m.parallel is None else m.parallel,
+            n_gpu_layers=d.n_gpu_layers if m.n_gpu_layers is None else m.n_gpu_layers,
+            cache_type_k=m.cache_type_k,
+            cache_type_v=m.cache_type_v,
+            args=tuple(m.args),
+            env=dict(m.env),
+            binary=m.binary or config.binary,
+            start_timeout=d.start_timeout if m.start_timeout is None else m.start_timeout,
+            max_queue=d.max_queue,
+            queue_timeout=d.queue_timeout,
+            stop_grace=d.stop_grace,
+        )
+
+    if config.models_dir:
+        for gguf in _discover(_absolute(config.models_dir, base_dir)):
+            name = gguf.stem
+            if name in models or any(s.model_path == gguf for s in models.values()):
+                continue
+            models[name] = ModelSpec(
+                name=name, backend="llama-server", model_path=gguf, aliases=(), ttl=d.ttl,
+                ctx=d.ctx, parallel=d.parallel, n_gpu_layers=d.n_gpu_layers, cache_type_k=None,
+                cache_type_v=None, args=(), env={}, binary=config.binary,
+                start_timeout=d.start_timeout, max_queue=d.max_queue,
+                queue_timeout=d.queue_timeout, stop_grace=d.stop_grace, discovered=True,
+            )
+
+    aliases: dict[str, str] = {}
+    for name, spec in models.items():
+        for i, alias in enumerate(spec.aliases):
+            loc: tuple[str | int, ...] = ("models", name, "aliases", i)
+            if alias in models:
+                issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc),
+                                          f"alias {alias!r} is already a model name"))
+            elif alias in aliases:
+                issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc),
+                                          f"alias {alias!r} is already used by {aliases[alias]!r}"))
+            else:
+                aliases[alias] = name
+    if issues:
+        raise ConfigError(issues)
+    return LoadedConfig(config=config, models=models, source=source, aliases=aliases)
+
+
+def _discover(models_dir: Path) -> list[Path]:
+    if not models_dir.is_dir():
+        return []
+    return sorted(p.resolve() for p in models_dir.glob("*.gguf") if p.is_file())
+
+
+def _absolute(path: str, base_dir: Path) -> Path:
+    p = Path(os.path.expanduser(path))
+    return p if p.is_absolute() else (base_dir / p).resolve()
+
+
+def _collect_lines(node: yaml.Node, path: tuple[str | int, ...],
+                   out: dict[tuple[str | int, ...], int]) -> None:
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = path + (str(key_node.value),)
+            out[key] = key_node.start_mark.line + 1
+            _collect_lines(value_node, key, out)
+            out[key] = key_node.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _collect_lines(item, path + (i,), out)
+
+
+def _line_for(loc: tuple[Any, ...], lines: dict[tuple[str | int, ...], int]) -> int | None:
+    for cut in range(len(loc), -1, -1):
+        hit = lines.get(tuple(loc[:cut]))
+        if hit is not None:
+            return hit
+    return None
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _expand_env(value: Any, path: tuple[str | int, ...], lines: dict[tuple[str | int, ...], int],
+                filename: str, issues: list[ConfigIssue]) -> Any:
+    """Expand ${VAR} and ${VAR:-default} in string values."""
+    if isinstance(value, dict):
+        return {k: _expand_env(v, path + (str(k),), lines, filename, issues)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, path + (i,), lines, filename, issues) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        issues.append(ConfigIssue(filename, _line_for(path, lines), _dotted(path),
+                                  f"environment variable {name} is not set"))
+        return ""
+
+    return _ENV_REF.sub(substitute, value)

@@ -1,0 +1,247 @@
+"""The daemon: owns every instance, the policy, the TTL sweeper and the one door, acquire()."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from corral.supervisor import policy
+from corral.supervisor.backends.llama_server import BACKENDS
+from corral.supervisor.config import LoadedConfig
+from corral.supervisor.errors import (
+    NoCapacity,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    StartFailed,
+    UnknownModel,
+)
+from corral.supervisor.instance import LOADED_STATES, Instance, Lease, State
+from corral.supervisor.statefile import ChildRegistry
+
+log = structlog.get_logger("corral.daemon")
+
+
+class Changed:
+    """A broadcast 'something changed' that any number of tasks can await with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+class Daemon:
+    def __init__(self, loaded: LoadedConfig, state_file: Path):
+        self.loaded = loaded
+        self.instances: dict[str, Instance] = {
+            name: Instance(spec, BACKENDS[spec.backend], self._on_instance_change)
+            for name, spec in loaded.models.items()
+        }
+        self._changed = Changed()
+        self._placement = asyncio.Lock()
+        self._registry = ChildRegistry(state_file)
+        self._session: aiohttp.ClientSession | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        reaped = self._registry.reap_leftovers()
+        if reaped:
+            log.warning("daemon.reaped_orphans", pids=reaped)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        self._sweeper = asyncio.create_task(self._sweep_ttl(), name="ttl-sweeper")
+        log.info("daemon.started", models=sorted(self.instances))
+
+    async def close(self, grace: float) -> None:
+        """Stop taking work, let in-flight requests finish (bounded), stop every child."""
+        self._closing = True
+        self._changed.fire()
+        deadline = time.monotonic() + grace
+        while any(i.in_flight for i in self.instances.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("daemon.drain_expired", in_flight={
+                    i.name: i.in_flight for i in self.instances.values() if i.in_flight})
+                break
+            await self._changed.wait(min(remaining, 0.2))
+        if self._sweeper:
+            self._sweeper.cancel()
+        await asyncio.gather(*(i.stop("daemon shutdown") for i in self.instances.values()
+                               if i.state is not State.STOPPED), return_exceptions=True)
+        self._registry.clear()
+        if self._session:
+            await self._session.close()
+        log.info("daemon.stopped")
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> str | None:
+        """Canonical model name for a name or alias, or None."""
+        if name in self.instances:
+            return name
+        return self.loaded.aliases.get(name)
+
+    def instance(self, name: str) -> Instance:
+        canonical = self.resolve(name)
+        if canonical is None:
+            raise UnknownModel(name, sorted(self.instances))
+        return self.instances[canonical]
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [i.describe(now) for i in self.instances.values()]
+
+    # -- the door ------------------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> Lease:
+        """Lease a ready instance of `name`, starting it (and evicting others) if needed."""
+        if self._closing:
+            raise ShuttingDown("corral is shutting down")
+        inst = self.instance(name)
+        if inst.state is State.READY and not inst.slots_full:
+            return await inst.take_slot(inst.spec.queue_timeout)  # the hot path: no waiting
+        if inst.slots_full and inst.queued >= inst.spec.max_queue:
+            raise QueueFull(f"{inst.name}: {inst.in_flight} in flight and {inst.queued} queued "
+                            f"(max_queue {inst.spec.max_queue})")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + inst.spec.queue_timeout
+        inst.queued += 1
+        try:
+            while True:
+                await self._ensure_ready(inst, deadline)
+                try:
+                    lease = await inst.take_slot(max(deadline - loop.time(), 0.001))
+                except TimeoutError:
+                    raise QueueTimeout(
+                        f"{inst.name}: no free slot within {inst.spec.queue_timeout:g}s") from None
+                if inst.state is State.READY:
+                    return lease
+                lease.release()  # it died or began draining while we queued: go round again
+        finally:
+            inst.queued -= 1
+
+    async def _ensure_ready(self, inst: Instance, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while inst.state is not State.READY:
+            if self._closing:
+                raise ShuttingDown("corral is shutting down")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise QueueTimeout(f"{inst.name} did not become ready in time "
+                                   f"(state {inst.state})")
+            if inst.state is State.STARTING:
+                await self._wait_started(inst)
+            elif inst.state in (State.DRAINING, State.STOPPING):
+                await inst.wait_change(remaining)
+            else:
+                async with self._placement:
+                    if inst.state in (State.STOPPED, State.FAILED):
+                        await self._make_room(inst)
+                        inst.begin_start(self._http(), self._on_spawn)
+                        inst.last_used = time.monotonic()
+
+    async def _wait_started(self, inst: Instance) -> None:
+        try:
+            await inst.wait_ready()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own caller is being cancelled (client gone)
+            raise StartFailed(f"{inst.name}: start was cancelled (unloaded or shutting down)")
+
+    async def _make_room(self, inst: Instance) -> None:
+        loop = asyncio.get_running_loop()
+        max_loaded = self.loaded.config.policy.max_loaded
+        deadline = loop.time() + self.loaded.config.policy.evict_timeout
+        while True:
+            placement = policy.place(self._views(), inst.name, max_loaded)
+            if placement.fits:
+                return
+            if placement.evict:
+                victim = self.instances[placement.evict]
+                await victim.stop(f"evicted (least recently used) to start {inst.name}")
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closing:
+                raise NoCapacity(
+                    f"cannot start {inst.name}: max_loaded={max_loaded} and every loaded model "
+                    f"is busy or pinned ({', '.join(placement.blocked_by)}); retry later")
+            await self._changed.wait(min(remaining, 1.0))
+
+    # -- admin actions -------------------------------------------------------------------------
+
+    async def load(self, name: str) -> Instance:
+        lease = await self.acquire(name)
+        lease.release()
+        return lease.instance
+
+    async def unload(self, name: str, force: bool = False) -> Instance:
+        inst = self.instance(name)
+        if not force:
+            await inst.drain(self.loaded.config.shutdown_grace)
+        await inst.stop("unloaded by admin" + (" (forced)" if force else ""))
+        return inst
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Daemon.start() was not awaited"
+        return self._session
+
+    def _views(self) -> list[policy.ModelView]:
+        return [policy.ModelView(
+            name=i.name,
+            loaded=i.state in LOADED_STATES,
+            stoppable=i.state is State.READY and not i.busy,
+            last_used=i.last_used,
+            ttl=i.spec.ttl,
+            pinned=i.pinned,
+        ) for i in self.instances.values()]
+
+    def _on_instance_change(self) -> None:
+        self._changed.fire()
+
+    def _on_spawn(self, _inst: Instance) -> None:
+        self._persist_children()
+
+    def _persist_children(self) -> None:
+        self._registry.record([(i.name, i.pid) for i in self.instances.values()
+                               if i.pid is not None and i.state in LOADED_STATES])
+
+    async def _sweep_ttl(self) -> None:
+        while True:
+            now = time.monotonic()
+            views = self._views()
+            for name in policy.expired(views, now):
+                inst = self.instances[name]
+                log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
+                asyncio.create_task(self._stop_quietly(inst, f"idle for {inst.spec.ttl:g}s (ttl)"))
+            wait = policy.next_expiry(self._views(), now)
+            await asyncio.sleep(min(max(wait or 1.0, 0.05), 1.0))
+
+    async def _stop_quietly(self, inst: Instance, reason: str) -> None:
+        try:
+            await inst.stop(reason)
+        except Exception:
+            log.exception("daemon.stop_failed", model=inst.name)

@@ -1,0 +1,177 @@
+"""One child process: spawn, log capture, readiness polling, exit watch, graceful group stop."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import aiohttp
+import structlog
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_LOG_LINE_LIMIT = 1 << 20
+
+
+class ChildExited(RuntimeError):
+    """The child ended before it became ready; carries its exit code and last log lines."""
+
+    def __init__(self, message: str, returncode: int | None, tail: list[str]):
+        self.returncode = returncode
+        self.tail = tail
+        super().__init__(message)
+
+
+class ChildStartTimeout(RuntimeError):
+    def __init__(self, message: str, tail: list[str]):
+        self.tail = tail
+        super().__init__(message)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec. SIGKILL the child when the daemon dies, even
+    # by SIGKILL; if the daemon is already gone (reparented), exit at once instead.
+    parent = os.getppid()
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class ChildProcess:
+    """A spawned native server. Knows nothing about models beyond a name for its logs."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str],
+                 log_lines: int = 400):
+        self.name = name
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.logs: deque[str] = deque(maxlen=log_lines)
+        self.started_at: float | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._log = structlog.get_logger("corral.child").bind(model=name)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    def tail(self, n: int = 20) -> list[str]:
+        return list(self.logs)[-n:]
+
+    async def spawn(self) -> int:
+        env = {**os.environ, **self.env}
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group: one killpg stops it and its helpers
+            preexec_fn=_child_setup,
+            limit=_LOG_LINE_LIMIT,
+        )
+        self.started_at = time.time()
+        self._log = self._log.bind(pid=self._proc.pid)
+        self._log.info("child.spawned", argv=self.argv)
+        self._reader = asyncio.create_task(self._read_output(), name=f"logs:{self.name}")
+        return self._proc.pid
+
+    async def _read_output(self) -> None:
+        assert self._proc and self._proc.stdout
+        stream = self._proc.stdout
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # one line longer than the limit: keep what fits
+                raw = await stream.read(_LOG_LINE_LIMIT)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                self.logs.append(line)
+                self._log.debug("child.output", line=line)
+
+    async def wait(self) -> int:
+        assert self._proc
+        code = await self._proc.wait()
+        if self._reader:
+            # The pipe closes with the process (or its last holder); bounded anyway.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), 2)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+        return code
+
+    async def wait_healthy(self, session: aiohttp.ClientSession, url: str, timeout: float) -> None:
+        """Poll `url` until it answers 200; fast at first because small models load in ms."""
+        assert self._proc
+        deadline = asyncio.get_running_loop().time() + timeout
+        delay = 0.01
+        exit_task = asyncio.ensure_future(self._proc.wait())
+        try:
+            while True:
+                if exit_task.done():
+                    raise self._exited_error()
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    raise ChildStartTimeout(
+                        f"{self.name} not ready after {timeout:g}s", self.tail())
+                try:
+                    probe = aiohttp.ClientTimeout(total=min(2.0, remaining))
+                    async with session.get(url, timeout=probe) as resp:
+                        if resp.status == 200:
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass  # port not open yet
+                await asyncio.wait([exit_task], timeout=min(delay, max(remaining, 0.001)))
+                delay = min(delay * 1.5, 0.25)
+        finally:
+            if not exit_task.done():
+                exit_task.cancel()
+
+    def _exited_error(self) -> ChildExited:
+        code = self.returncode
+        tail = self.tail()
+        last = f": {tail[-1]}" if tail else ""
+        return ChildExited(f"{self.name} exited with code {code} before it was ready{last}",
+                           code, tail)
+
+    async def stop(self, grace: float) -> int | None:
+        """SIGTERM the group, wait up to `grace`, then SIGKILL the group. Returns the exit code."""
+        if not self._proc:
+            return None
+        if self._proc.returncode is None:
+            self._log.info("child.stopping", grace=grace)
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._proc.wait(), grace)
+            except TimeoutError:
+                self._log.warning("child.kill", reason="grace expired")
+        # Always sweep the group: helpers the child forked must not outlive it.
+        self._signal_group(signal.SIGKILL)
+        code = await self.wait()
+        self._log.info("child.stopped", returncode=code)
+        return code
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self._proc
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
