@@ -255,6 +255,7 @@ class Instance:
             "ttl": self.spec.ttl,
             "ttl_left": None if self.busy and ttl_left is None else ttl_left,
             "pinned": self.pinned,
+            "starts": self.starts,
             "restarts": self.restarts,
             "last_error": self.last_error,
         }
