@@ -1,0 +1,243 @@
+"""Child lifecycles under corral: TTL, LRU, in-flight protection, disconnects, deaths, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+
+from conftest import port_is_free, tiny_config, wait_until
+
+LONG = {"max_tokens": 3000, "ignore_eos": True}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_ttl_stops_idle_model_and_frees_port(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, defaults={"ttl": 1}))
+    assert corral.chat("tiny-a", max_tokens=2).status_code == 200
+    state = corral.model("tiny-a")
+    pid, port = state["pid"], state["port"]
+    assert 0 < state["ttl_left"] <= 1
+    wait_until(lambda: corral.model("tiny-a")["state"] == "stopped", timeout=5)
+    wait_until(lambda: _gone(pid))
+    assert port_is_free(port)
+    stop = [e for e in corral.log_events("instance.stop") if e["model"] == "tiny-a"]
+    assert "ttl" in stop[-1]["reason"] and stop[-1]["pid"] == pid
+
+
+def test_polling_models_health_and_admin_is_not_use(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, defaults={"ttl": 1.5}))
+    corral.chat("tiny-a", max_tokens=1)
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:  # what Open WebUI and monitoring do all day
+        corral.client().models.list()
+        corral.http.get("/health")
+        corral.http.get("/admin/models")
+        corral.http.get("/v1/models/tiny-a")
+        time.sleep(0.1)
+    assert corral.model("tiny-a")["state"] == "stopped"
+
+
+def test_lru_evicts_least_recently_used_idle_model(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b", "tiny-c"],
+                                      policy={"max_loaded": 2}))
+    corral.chat("tiny-a", max_tokens=1)
+    corral.chat("tiny-b", max_tokens=1)
+    corral.chat("tiny-a", max_tokens=1)  # a is now more recent than b
+    b_pid = corral.model("tiny-b")["pid"]
+    corral.chat("tiny-c", max_tokens=1)
+    states = {name: m["state"] for name, m in corral.models().items()}
+    assert states == {"tiny-a": "ready", "tiny-b": "stopped", "tiny-c": "ready"}
+    assert _gone(b_pid)
+    evictions = [e for e in corral.log_events("instance.stop") if "evicted" in e["reason"]]
+    assert [e["model"] for e in evictions] == ["tiny-b"]
+
+
+def test_in_flight_model_is_never_evicted_new_request_waits(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
+                                      policy={"max_loaded": 1, "evict_timeout": 30}))
+    corral.chat("tiny-a", max_tokens=1)
+    a_result: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: a_result.append(corral.chat("tiny-a", **LONG)))
+    worker.start()
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
+    b = corral.chat("tiny-b", max_tokens=2)  # waits for a to drain, then evicts it
+    worker.join()
+    assert a_result[0].status_code == 200
+    assert a_result[0].json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert b.status_code == 200
+    assert corral.model("tiny-a")["state"] == "stopped"
+
+
+def test_no_capacity_is_503_with_retry_after(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
+                                      policy={"max_loaded": 1, "evict_timeout": 0.5}))
+    corral.chat("tiny-a", max_tokens=1)
+    worker = threading.Thread(target=lambda: corral.chat("tiny-a", **LONG))
+    worker.start()
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
+    b = corral.chat("tiny-b", max_tokens=2)
+    assert b.status_code == 503
+    assert int(b.headers["retry-after"]) > 0
+    assert b.json()["error"]["code"] == "no_capacity"
+    assert "tiny-a" in b.json()["error"]["message"]
+    assert corral.model("tiny-a")["in_flight"] == 1  # untouched
+    worker.join()
+
+
+def _generation_cancelled(corral, model: str) -> int | None:
+    """Tokens the child made before it cancelled, read from its log through corral.
+
+    Not from the child's /slots: every /slots call wakes llama-server's result wait, which only
+    checks for a closed client socket when that 1 s wait times out, so polling /slots hides
+    the very cancellation it is looking for."""
+    lines = corral.http.get(f"/admin/models/{model}/logs", params={"lines": 50}).json()["lines"]
+    if not any("cancel task" in line for line in lines):
+        return None
+    done = [line for line in lines if "stop processing: n_tokens" in line]
+    return int(done[-1].split("n_tokens =")[1].split(",")[0]) if done else None
+
+
+def test_client_disconnect_cancels_generation(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models))
+    corral.chat("tiny-a", max_tokens=1)
+    body = {"model": "tiny-a", "stream": True, "max_tokens": 6000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go"}]}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", corral.url + "/v1/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(20):
+                next(lines)
+            assert corral.model("tiny-a")["in_flight"] == 1
+    # Hung up after ~10 of 6000 tokens: the child must stop long before making them all.
+    made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
+    assert made < 3000
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 0, timeout=3)
+
+
+def test_non_stream_disconnect_cancels_generation(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models))
+    corral.chat("tiny-a", max_tokens=1)
+    try:
+        corral.client(timeout=0.5).chat.completions.create(
+            model="tiny-a", messages=[{"role": "user", "content": "go"}], max_tokens=6000,
+            extra_body={"ignore_eos": True})
+    except openai.APITimeoutError:
+        pass
+    made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
+    assert made < 4000
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 0, timeout=3)
+
+
+def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models))
+    corral.chat("tiny-a", max_tokens=1)
+    pid = corral.model("tiny-a")["pid"]
+    stream = corral.client().chat.completions.create(
+        model="tiny-a", messages=[{"role": "user", "content": "go"}], stream=True,
+        max_tokens=6000, extra_body={"ignore_eos": True})
+    received = 0
+    try:
+        for _ in stream:
+            received += 1
+            if received == 10:
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the stream ended without an error")
+    except openai.APIError as exc:
+        assert "tiny-a" in exc.message and "failed" in exc.message
+    wait_until(lambda: corral.model("tiny-a")["state"] == "failed")
+    assert "exited unexpectedly" in corral.model("tiny-a")["last_error"]
+    # The next request starts it again.
+    assert corral.chat("tiny-a", max_tokens=2).status_code == 200
+    state = corral.model("tiny-a")
+    assert state["state"] == "ready" and state["pid"] != pid and state["restarts"] == 1
+
+
+def test_child_killed_during_non_stream_request_is_502(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models))
+    corral.chat("tiny-a", max_tokens=1)
+    pid = corral.model("tiny-a")["pid"]
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    resp = corral.chat("tiny-a", max_tokens=6000, ignore_eos=True)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "upstream_failed"
+
+
+def test_sigterm_drains_in_flight_then_stops_children(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models))
+    corral.chat("tiny-a", max_tokens=1)
+    pid = corral.model("tiny-a")["pid"]
+    result: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: result.append(corral.chat("tiny-a", **LONG)))
+    worker.start()
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
+    corral.proc.send_signal(signal.SIGTERM)
+    worker.join()
+    assert result[0].status_code == 200
+    assert result[0].json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert corral.proc.wait(15) == 0
+    assert _gone(pid)
+
+
+def test_daemon_sigkill_leaves_no_orphans(start_corral, tiny_models):
+    corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"]))
+    corral.chat("tiny-a", max_tokens=1)
+    corral.chat("tiny-b", max_tokens=1)
+    pids = [m["pid"] for m in corral.models().values()]
+    assert all(psutil.pid_exists(p) for p in pids)
+    corral.proc.kill()
+    corral.proc.wait()
+    wait_until(lambda: all(_gone(p) for p in pids), timeout=5)
+
+
+def test_state_file_reaps_children_of_a_killed_daemon(tmp_path):
+    """The second line of defence, for children that escaped the parent-death signal."""
+    from corral.supervisor.statefile import ChildRegistry
+
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=True)
+    registry = ChildRegistry(tmp_path / "children.json")
+    registry.record([("tiny-a", orphan.pid)])
+    record = json.loads((tmp_path / "children.json").read_text())
+    assert record[0]["pid"] == orphan.pid
+    assert ChildRegistry(tmp_path / "children.json").reap_leftovers() == [orphan.pid]
+    assert orphan.wait(5) == -signal.SIGKILL
+    assert not (tmp_path / "children.json").exists()
+
+
+def test_state_file_spares_a_reused_pid(tmp_path):
+    from corral.supervisor.statefile import ChildRegistry
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "children.json").write_text(json.dumps(
+            [{"model": "x", "pid": bystander.pid, "create_time": 1.0}]))
+        assert ChildRegistry(tmp_path / "children.json").reap_leftovers() == []
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_smollm2_knows_the_capital_of_france(start_corral, smol_model):
+    config = {"models": {"smol": {"model": str(smol_model), "ctx": 2048}}}
+    corral = start_corral(config)
+    reply = corral.client().chat.completions.create(
+        model="smol", temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
