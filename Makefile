@@ -30,4 +30,7 @@ bench: demo-model
 
 lint: setup
 	$(BIN)/ruff check supervisor proxy tests bench
+	mkdir -p build/mypy/corral
+	ln -sfn ../../../supervisor build/mypy/corral/supervisor
+	ln -sfn ../../../proxy build/mypy/corral/proxy
 	$(BIN)/mypy

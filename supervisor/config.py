@@ -140,7 +140,8 @@ def load_config(path: Path | str) -> LoadedConfig:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError([ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")]) from exc
+        issue = ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")
+        raise ConfigError([issue]) from exc
     return parse_config(text, source=path)
 
 
@@ -260,13 +261,13 @@ def _collect_lines(node: yaml.Node, path: tuple[str | int, ...],
     out.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
-            key = path + (str(key_node.value),)
+            key = (*path, str(key_node.value))
             out[key] = key_node.start_mark.line + 1
             _collect_lines(value_node, key, out)
             out[key] = key_node.start_mark.line + 1
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _collect_lines(item, path + (i,), out)
+            _collect_lines(item, (*path, i), out)
 
 
 def _line_for(loc: tuple[Any, ...], lines: dict[tuple[str | int, ...], int]) -> int | None:
@@ -288,10 +289,10 @@ def _expand_env(value: Any, path: tuple[str | int, ...], lines: dict[tuple[str |
                 filename: str, issues: list[ConfigIssue]) -> Any:
     """Expand ${VAR} and ${VAR:-default} in string values."""
     if isinstance(value, dict):
-        return {k: _expand_env(v, path + (str(k),), lines, filename, issues)
+        return {k: _expand_env(v, (*path, str(k)), lines, filename, issues)
                 for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand_env(v, path + (i,), lines, filename, issues) for i, v in enumerate(value)]
+        return [_expand_env(v, (*path, i), lines, filename, issues) for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:
         return value
 

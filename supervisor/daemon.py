@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,8 @@ class Changed:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event.wait(), timeout)
-        except TimeoutError:
-            pass
 
 
 class Daemon:
@@ -57,6 +57,7 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -83,6 +84,8 @@ class Daemon:
             await self._changed.wait(min(remaining, 0.2))
         if self._sweeper:
             self._sweeper.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         await asyncio.gather(*(i.stop("daemon shutdown") for i in self.instances.values()
                                if i.state is not State.STOPPED), return_exceptions=True)
         self._registry.clear()
@@ -168,7 +171,8 @@ class Daemon:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our own caller is being cancelled (client gone)
-            raise StartFailed(f"{inst.name}: start was cancelled (unloaded or shutting down)")
+            raise StartFailed(
+                f"{inst.name}: start was cancelled (unloaded or shutting down)") from None
 
     async def _make_room(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
@@ -236,9 +240,15 @@ class Daemon:
             for name in policy.expired(views, now):
                 inst = self.instances[name]
                 log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
-                asyncio.create_task(self._stop_quietly(inst, f"idle for {inst.spec.ttl:g}s (ttl)"))
+                self._spawn_task(self._stop_quietly(inst, f"idle for {inst.spec.ttl:g}s (ttl)"))
             wait = policy.next_expiry(self._views(), now)
             await asyncio.sleep(min(max(wait or 1.0, 0.05), 1.0))
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Background work the daemon owns: kept referenced, cancelled at close."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _stop_quietly(self, inst: Instance, reason: str) -> None:
         try:

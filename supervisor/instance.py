@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,10 +121,8 @@ class Instance:
 
     async def wait_change(self, timeout: float | None = None) -> None:
         event = self._state_changed
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -194,7 +193,10 @@ class Instance:
 
     async def take_slot(self, timeout: float) -> Lease:
         """Wait for one of the `parallel` slots; the caller has checked the state is READY."""
-        await asyncio.wait_for(self._slots.acquire(), timeout)
+        if self._slots.locked():
+            await asyncio.wait_for(self._slots.acquire(), timeout)
+        else:
+            await self._slots.acquire()  # free slot: no timer task on the hot path
         self.in_flight += 1
         self.last_used = time.monotonic()
         return Lease(self, f"http://127.0.0.1:{self.port}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -84,7 +85,6 @@ class ChildProcess:
             env=env,
             start_new_session=True,  # own process group: one killpg stops it and its helpers
             preexec_fn=_child_setup,
-            limit=_LOG_LINE_LIMIT,
         )
         self.started_at = time.time()
         self._log = self._log.bind(pid=self._proc.pid)
@@ -93,29 +93,36 @@ class ChildProcess:
         return self._proc.pid
 
     async def _read_output(self) -> None:
+        # Chunks, not readline(): a busy llama-server logs several lines per request, and one
+        # wake-up per chunk keeps this off the proxy's hot path.
         assert self._proc and self._proc.stdout
         stream = self._proc.stdout
+        pending = b""
         while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # one line longer than the limit: keep what fits
-                raw = await stream.read(_LOG_LINE_LIMIT)
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line:
-                self.logs.append(line)
-                self._log.debug("child.output", line=line)
+            chunk = await stream.read(65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            if len(pending) > _LOG_LINE_LIMIT:
+                lines.append(pending)
+                pending = b""
+            for raw in lines:
+                self._keep(raw)
+        self._keep(pending)
+
+    def _keep(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip()
+        if line:
+            self.logs.append(line)
+            self._log.debug("child.output", line=line)
 
     async def wait(self) -> int:
         assert self._proc
         code = await self._proc.wait()
         if self._reader:
             # The pipe closes with the process (or its last holder); bounded anyway.
-            try:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(self._reader), 2)
-            except (TimeoutError, asyncio.CancelledError):
-                pass
         return code
 
     async def wait_healthy(self, session: aiohttp.ClientSession, url: str, timeout: float) -> None:
@@ -171,7 +178,5 @@ class ChildProcess:
 
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self._proc
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:
-            pass

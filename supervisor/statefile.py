@@ -3,6 +3,7 @@ start even where the parent-death signal could not fire (e.g. a child that re-pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,12 +63,11 @@ class ChildRegistry:
                     continue
             except psutil.NoSuchProcess:
                 continue
-            for kill in (lambda: os.killpg(rec.pid, signal.SIGKILL),
-                         lambda: os.kill(rec.pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
+            # Children lead their own process group (start_new_session): group id == pid.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(rec.pid, signal.SIGKILL)
             reaped.append(rec.pid)
             log.warning("statefile.reaped_orphan", model=rec.model, pid=rec.pid)
         self.clear()

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinymodel import write_tiny_llama  # noqa: E402
+from tinymodel import write_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,11 +140,12 @@ def start_corral(tmp_path: Path) -> Iterator[Any]:
         config_path.write_text(yaml.safe_dump(config))
         port = free_port()
         log_path = tmp_path / f"corral-{n}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),
-             "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-             "--log-format", "json", "--log-level", "debug"],
-            stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"), cwd=tmp_path)
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),
+                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
+                 "--log-format", "json", "--log-level", "debug"],
+                stdout=subprocess.DEVNULL, stderr=log_file, cwd=tmp_path)
         corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, config_path, api_key)
         started.append(corral)
         if wait:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -117,12 +118,12 @@ def test_client_disconnect_cancels_generation(start_corral, tiny_models):
     corral.chat("tiny-a", max_tokens=1)
     body = {"model": "tiny-a", "stream": True, "max_tokens": 6000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "go"}]}
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", corral.url + "/v1/chat/completions", json=body) as resp:
-            lines = resp.iter_lines()
-            for _ in range(20):
-                next(lines)
-            assert corral.model("tiny-a")["in_flight"] == 1
+    with httpx.Client(timeout=30) as client, \
+            client.stream("POST", corral.url + "/v1/chat/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        for _ in range(20):
+            next(lines)
+        assert corral.model("tiny-a")["in_flight"] == 1
     # Hung up after ~10 of 6000 tokens: the child must stop long before making them all.
     made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
     assert made < 3000
@@ -132,12 +133,10 @@ def test_client_disconnect_cancels_generation(start_corral, tiny_models):
 def test_non_stream_disconnect_cancels_generation(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
-    try:
+    with contextlib.suppress(openai.APITimeoutError):
         corral.client(timeout=0.5).chat.completions.create(
             model="tiny-a", messages=[{"role": "user", "content": "go"}], max_tokens=6000,
             extra_body={"ignore_eos": True})
-    except openai.APITimeoutError:
-        pass
     made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
     assert made < 4000
     wait_until(lambda: corral.model("tiny-a")["in_flight"] == 0, timeout=3)
