@@ -15,13 +15,18 @@ from aiohttp import web
 from corral.proxy import admin
 from corral.proxy.errors import ApiError, UpstreamFailed, error_response, from_supervisor
 from corral.proxy.forward import new_upstream_session, relay
+from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
+from corral.proxy.groups import GroupRunner
+from corral.proxy.routing import GroupTarget, exposed_groups, resolve
+from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
-from corral.supervisor.errors import SupervisorError, UnknownModel
+from corral.supervisor.errors import SupervisorError
 
 log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
+GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,6 +46,8 @@ def create_app(daemon: Daemon) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     for path in RELAYED:
         app.router.add_post(path, relay_openai)
+    app.router.add_post("/v1/batch/execute", batch)
+    app.router.add_post("/v1/chain/execute", chain)
     admin.add_routes(app, DAEMON)
     app.cleanup_ctx.append(_upstream_session)
     return app
@@ -48,6 +55,7 @@ def create_app(daemon: Daemon) -> web.Application:
 
 async def _upstream_session(app: web.Application) -> Any:
     app[UPSTREAM] = new_upstream_session()
+    app[GROUPS] = GroupRunner(app[DAEMON], app[UPSTREAM])
     yield
     await app[UPSTREAM].close()
 
@@ -119,16 +127,27 @@ def _model_entry(desc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _group_entry(group: GroupSpec, created: int) -> dict[str, Any]:
+    return {"id": group.name, "object": "model", "created": created, "owned_by": "corral",
+            "status": "group", "aliases": [],
+            "group": {"type": group.type, "models": list(group.models)}}
+
+
 async def list_models(request: web.Request) -> web.Response:
     # Read-only: never touches last_used, so a UI polling this keeps nothing alive.
-    models = [_model_entry(d) for d in request.app[DAEMON].describe()]
+    daemon = request.app[DAEMON]
+    models = [_model_entry(d) for d in daemon.describe()]
+    created = min((m["created"] for m in models), default=int(time.time()))
+    models += [_group_entry(g, created) for g in exposed_groups(daemon).values()]
     return web.json_response({"object": "list", "data": models})
 
 
 async def get_model(request: web.Request) -> web.Response:
     daemon = request.app[DAEMON]
-    inst = daemon.instance(request.match_info["model"])
-    return web.json_response(_model_entry(inst.describe()))
+    target = resolve(daemon, request.match_info["model"])
+    if isinstance(target, GroupTarget):
+        return web.json_response(_group_entry(target.group, int(time.time())))
+    return web.json_response(_model_entry(daemon.instances[target.name].describe()))
 
 
 async def read_json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
@@ -155,9 +174,13 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
     raw, body = await read_json_body(request)
     name = requested_model(body)
-    canonical = daemon.resolve(name)
-    if canonical is None:
-        raise UnknownModel(name, sorted(daemon.instances))
+    target = resolve(daemon, name)
+    if isinstance(target, GroupTarget):
+        if request.path != "/v1/chat/completions":
+            raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions",
+                           "group_endpoint", param="model")
+        return await chat_with_group(request, request.app[GROUPS], target.group, body)
+    canonical = target.name
     if canonical != name:
         # An alias: the child knows the model by its canonical name (--alias).
         body["model"] = canonical
@@ -168,6 +191,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         return await relay(request, request.app[UPSTREAM], lease.base_url + request.path, raw,
                            canonical)
     except UpstreamFailed as exc:
+        await lease.upstream_broke()
         detail = lease.instance.last_error
         message = f"{exc}" + (f" ({detail})" if detail else "")
         log.warning("proxy.upstream_failed", model=canonical, pid=lease.instance.pid,
@@ -177,3 +201,13 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         lease.release()
         log.debug("proxy.request", model=canonical, path=request.path,
                   ms=round((time.monotonic() - started) * 1000, 2))
+
+
+async def batch(request: web.Request) -> web.StreamResponse:
+    _, body = await read_json_body(request)
+    return await batch_execute(request, request.app[GROUPS], body)
+
+
+async def chain(request: web.Request) -> web.StreamResponse:
+    _, body = await read_json_body(request)
+    return await chain_execute(request, request.app[GROUPS], body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
@@ -13,7 +15,7 @@ _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "content-length", "date", "server",
 })
-_UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
 
 def new_upstream_session() -> aiohttp.ClientSession:
@@ -25,6 +27,14 @@ def new_upstream_session() -> aiohttp.ClientSession:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+def sse_headers() -> dict[str, str]:
+    return {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",  # tell an nginx in front of us not to buffer either
+    }
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -42,7 +52,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
             "Content-Type": "application/json",
             "Accept": request.headers.get("Accept", "*/*"),
         })
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
     try:
         if upstream.content_type == "text/event-stream":
@@ -50,7 +60,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
         else:
             try:
                 payload = await upstream.read()
-            except _UPSTREAM_BROKE as exc:
+            except UPSTREAM_BROKE as exc:
                 raise UpstreamFailed(f"{model} broke off its answer: {exc}") from exc
             response = web.Response(status=upstream.status, body=payload,
                                     headers=_response_headers(upstream))
@@ -66,15 +76,38 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                         model: str) -> web.StreamResponse:
     headers = _response_headers(upstream)
-    headers["Cache-Control"] = "no-cache"
-    headers["X-Accel-Buffering"] = "no"  # tell nginx in front of us not to buffer either
+    headers.update(sse_headers())
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
     try:
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         await response.write(sse_error_event(
             f"{model} failed mid-stream: {exc or type(exc).__name__}"))
     await response.write_eof()
     return response
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                    model: str) -> dict[str, Any]:
+    """A whole (non-streamed) JSON answer from a child, for callers that need its content."""
+    try:
+        resp = await session.post(url, json=payload)
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
+    try:
+        data = await resp.json(content_type=None)
+    except BaseException as exc:
+        resp.close()  # cancelled or broken: make the child see the hang-up
+        if isinstance(exc, (*UPSTREAM_BROKE, ValueError)):
+            raise UpstreamFailed(f"{model} broke off its answer: {exc}") from exc
+        raise
+    resp.release()
+    if resp.status != 200:
+        error = data.get("error") if isinstance(data, dict) else None
+        message = error.get("message") if isinstance(error, dict) else str(data)[:300]
+        raise UpstreamFailed(f"{model} answered HTTP {resp.status}: {message}")
+    if not isinstance(data, dict):
+        raise UpstreamFailed(f"{model} answered with non-object JSON")
+    return data

@@ -28,6 +28,8 @@ class Defaults(_Strict):
     start_timeout: float = Field(120, gt=0)
     parallel: int = Field(1, ge=1)
     n_gpu_layers: int = -1
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads per child; default: cores / policy.max_loaded")
     max_queue: int = Field(64, ge=0, description="requests waiting per model before 429")
     queue_timeout: float = Field(300, gt=0, description="seconds a request waits for a slot")
     stop_grace: float = Field(10, ge=0, description="seconds between SIGTERM and SIGKILL")
@@ -48,12 +50,34 @@ class ModelConfig(_Strict):
     ctx: int | None = Field(None, ge=0)
     parallel: int | None = Field(None, ge=1)
     n_gpu_layers: int | None = None
+    threads: int | None = Field(None, ge=1)
     cache_type_k: KvCacheType | None = None
     cache_type_v: KvCacheType | None = None
     args: list[str] = []
     env: dict[str, str] = {}
     binary: str | None = None
     start_timeout: float | None = Field(None, gt=0)
+
+
+GroupType = Literal["parallel", "chain", "fan_out", "consensus"]
+Fallback = Literal["strict", "partial", "retry_once", "replace_with"]
+Selector = Literal["first_ok", "longest", "shortest", "majority", "judge"]
+
+
+class GroupConfig(_Strict):
+    models: list[str] = Field(min_length=1)
+    type: GroupType = "parallel"
+    required_responses: int | None = Field(
+        None, ge=1, description="ok answers that make the result complete; default: all")
+    member_timeout: float = Field(60, gt=0)
+    fallback: Fallback = "strict"
+    replace_with: dict[str, str] = {}
+    pinned: bool = False
+    selector: Selector = "first_ok"
+    judge: str | None = None
+    synthesizer: str | None = None
+    template: str | None = None
+    expose_as_model: bool = False
 
 
 class Config(_Strict):
@@ -68,6 +92,7 @@ class Config(_Strict):
     defaults: Defaults = Defaults()
     policy: PolicyConfig = PolicyConfig()
     models: dict[str, ModelConfig] = {}
+    groups: dict[str, GroupConfig] = {}
 
     @field_validator("listen")
     @classmethod
@@ -95,6 +120,7 @@ class ModelSpec:
     ctx: int
     parallel: int
     n_gpu_layers: int
+    threads: int
     cache_type_k: str | None
     cache_type_v: str | None
     args: tuple[str, ...]
@@ -105,6 +131,29 @@ class ModelSpec:
     queue_timeout: float
     stop_grace: float
     discovered: bool = False
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A validated group: every name in it is a canonical model name."""
+
+    name: str
+    type: GroupType
+    models: tuple[str, ...]
+    required_responses: int
+    member_timeout: float
+    fallback: Fallback
+    replace_with: dict[str, str]
+    pinned: bool
+    selector: Selector
+    judge: str | None
+    synthesizer: str | None
+    template: str | None
+    expose_as_model: bool
+
+    def all_models(self) -> set[str]:
+        extra = {self.judge, self.synthesizer, *self.replace_with.values()}
+        return set(self.models) | {m for m in extra if m}
 
 
 @dataclass(frozen=True)
@@ -133,6 +182,7 @@ class LoadedConfig:
     models: dict[str, ModelSpec]
     source: Path | None
     aliases: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, GroupSpec] = field(default_factory=dict)
 
 
 def load_config(path: Path | str) -> LoadedConfig:
@@ -193,6 +243,10 @@ def resolve(
     filename = str(source) if source else "<config>"
     issues: list[ConfigIssue] = []
     d = config.defaults
+    # Children that each spin every core livelock one another (llama.cpp's compute threads
+    # busy-wait): 3 tiny models on 2 cores went from 0.3 s alone to 46 s together. Split the
+    # cores among the models that may be loaded at once unless told otherwise.
+    auto_threads = d.threads or max(1, (os.cpu_count() or 1) // config.policy.max_loaded)
     models: dict[str, ModelSpec] = {}
     for name, m in config.models.items():
         models[name] = ModelSpec(
@@ -204,6 +258,7 @@ def resolve(
             ctx=d.ctx if m.ctx is None else m.ctx,
             parallel=d.parallel if m.parallel is None else m.parallel,
             n_gpu_layers=d.n_gpu_layers if m.n_gpu_layers is None else m.n_gpu_layers,
+            threads=m.threads or auto_threads,
             cache_type_k=m.cache_type_k,
             cache_type_v=m.cache_type_v,
             args=tuple(m.args),
@@ -222,7 +277,8 @@ def resolve(
                 continue
             models[name] = ModelSpec(
                 name=name, backend="llama-server", model_path=gguf, aliases=(), ttl=d.ttl,
-                ctx=d.ctx, parallel=d.parallel, n_gpu_layers=d.n_gpu_layers, cache_type_k=None,
+                ctx=d.ctx, parallel=d.parallel, n_gpu_layers=d.n_gpu_layers,
+                threads=auto_threads, cache_type_k=None,
                 cache_type_v=None, args=(), env={}, binary=config.binary,
                 start_timeout=d.start_timeout, max_queue=d.max_queue,
                 queue_timeout=d.queue_timeout, stop_grace=d.stop_grace, discovered=True,
@@ -240,9 +296,75 @@ def resolve(
                                           f"alias {alias!r} is already used by {aliases[alias]!r}"))
             else:
                 aliases[alias] = name
+    groups = _resolve_groups(config, models, aliases, issues,
+                             lambda loc: _line_for(loc, lines), filename)
     if issues:
         raise ConfigError(issues)
-    return LoadedConfig(config=config, models=models, source=source, aliases=aliases)
+    return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
+                        groups=groups)
+
+
+def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[str, str],
+                    issues: list[ConfigIssue], line: Any, filename: str) -> dict[str, GroupSpec]:
+    def problem(loc: tuple[str | int, ...], message: str) -> None:
+        issues.append(ConfigIssue(filename, line(loc), _dotted(loc), message))
+
+    def canonical(name: str, loc: tuple[str | int, ...]) -> str | None:
+        found = name if name in models else aliases.get(name)
+        if found is None:
+            problem(loc, f"unknown model {name!r}; models: {', '.join(sorted(models)) or 'none'}")
+        return found
+
+    groups: dict[str, GroupSpec] = {}
+    pinned: set[str] = set()
+    for name, g in config.groups.items():
+        at: tuple[str | int, ...] = ("groups", name)
+        if name in models or name in aliases:
+            problem(at, f"group name {name!r} is already a model name or alias")
+        members: list[str] = []
+        for i, member in enumerate(g.models):
+            found = canonical(member, (*at, "models", i))
+            if found is None:
+                continue
+            if found in members:
+                problem((*at, "models", i), f"{member!r} is listed twice")
+            members.append(found)
+        judge = canonical(g.judge, (*at, "judge")) if g.judge else None
+        synthesizer = canonical(g.synthesizer, (*at, "synthesizer")) if g.synthesizer else None
+        if g.type == "fan_out" and g.selector == "judge" and not g.judge:
+            problem((*at, "judge"), "selector 'judge' needs a judge model")
+        if g.type == "consensus" and not g.synthesizer:
+            problem((*at, "synthesizer"), "a consensus group needs a synthesizer model")
+        replace: dict[str, str] = {}
+        for member, backup in g.replace_with.items():
+            loc = (*at, "replace_with", member)
+            original = canonical(member, loc)
+            substitute = canonical(backup, loc)
+            if original and original not in members:
+                problem(loc, f"{member!r} is not a member of the group")
+            elif original and substitute:
+                replace[original] = substitute
+        if g.fallback == "replace_with" and not g.replace_with:
+            problem((*at, "replace_with"), "fallback 'replace_with' needs a replace_with map")
+        # fan_out wants one good answer to choose from; the others want every member.
+        required = g.required_responses or (1 if g.type == "fan_out" else len(g.models))
+        if required > len(g.models):
+            problem((*at, "required_responses"),
+                    f"{required} exceeds the group's {len(g.models)} members")
+        if g.template is not None and g.type != "chain":
+            problem((*at, "template"), "template applies to chain groups only")
+        if g.pinned:
+            pinned.update(members)
+        groups[name] = GroupSpec(
+            name=name, type=g.type, models=tuple(members), required_responses=required,
+            member_timeout=g.member_timeout, fallback=g.fallback, replace_with=replace,
+            pinned=g.pinned, selector=g.selector, judge=judge, synthesizer=synthesizer,
+            template=g.template, expose_as_model=g.expose_as_model)
+    if len(pinned) > config.policy.max_loaded:
+        problem(("policy", "max_loaded"),
+                f"pinned groups keep {len(pinned)} models loaded ({', '.join(sorted(pinned))}) "
+                f"but max_loaded is {config.policy.max_loaded}")
+    return groups
 
 
 def _discover(models_dir: Path) -> list[Path]:

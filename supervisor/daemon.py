@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from corral.supervisor.errors import (
     QueueTimeout,
     ShuttingDown,
     StartFailed,
+    SupervisorError,
     UnknownModel,
 )
 from corral.supervisor.instance import LOADED_STATES, Instance, Lease, State
@@ -58,6 +59,10 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        for group in loaded.groups.values():
+            if group.pinned:
+                for name in group.models:
+                    self.instances[name].pinned = True
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -68,7 +73,16 @@ class Daemon:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True))
         self._sweeper = asyncio.create_task(self._sweep_ttl(), name="ttl-sweeper")
+        for inst in self.instances.values():
+            if inst.pinned:
+                self._spawn_task(self._preload(inst.name))
         log.info("daemon.started", models=sorted(self.instances))
+
+    async def _preload(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except SupervisorError as exc:
+            log.error("daemon.pinned_load_failed", model=name, error=str(exc))
 
     async def close(self, grace: float) -> None:
         """Stop taking work, let in-flight requests finish (bounded), stop every child."""
@@ -192,6 +206,30 @@ class Daemon:
                     f"cannot start {inst.name}: max_loaded={max_loaded} and every loaded model "
                     f"is busy or pinned ({', '.join(placement.blocked_by)}); retry later")
             await self._changed.wait(min(remaining, 1.0))
+
+    @contextlib.contextmanager
+    def reserve(self, names: Iterable[str]) -> Iterator[None]:
+        """Hold models that will be acquired together (a group's members): while held they
+        count as queued, so neither TTL nor LRU stops one to make room for another."""
+        held = [self.instance(n) for n in set(names)]
+        for inst in held:
+            inst.queued += 1
+        try:
+            yield
+        finally:
+            for inst in held:
+                inst.queued -= 1
+            self._changed.fire()
+
+    def check_capacity(self, names: Iterable[str], what: str) -> None:
+        """Refuse up front what max_loaded can never fit, instead of thrashing."""
+        wanted = sorted(set(names))
+        max_loaded = self.loaded.config.policy.max_loaded
+        if len(wanted) > max_loaded:
+            loaded = sorted(i.name for i in self.instances.values() if i.state in LOADED_STATES)
+            raise NoCapacity(
+                f"{what} needs {len(wanted)} models loaded at once ({', '.join(wanted)}) but "
+                f"max_loaded is {max_loaded}; loaded now: {', '.join(loaded) or 'none'}")
 
     # -- admin actions -------------------------------------------------------------------------
 

@@ -62,6 +62,11 @@ class Lease:
             self._released = True
             self.instance._release_slot()
 
+    async def upstream_broke(self, within: float = 0.5) -> None:
+        """The request to the child broke. If the child is dying, wait (briefly) until its
+        state says so, so that a retry starts a new child instead of leasing a dead port."""
+        await self.instance.settle_exit(within)
+
 
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None]):
@@ -188,6 +193,13 @@ class Instance:
             detail = f": {tail[-1]}" if tail else ""
             self._transition(State.FAILED, f"{self.name} exited unexpectedly with code {code}"
                                            f"{detail}")
+
+    async def settle_exit(self, within: float) -> None:
+        task = self._exit_task
+        if task is None or task.done():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), within)
 
     # -- leases --------------------------------------------------------------------------------
 

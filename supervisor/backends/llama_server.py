@@ -62,6 +62,8 @@ class LlamaServer:
             "--parallel", str(spec.parallel),
             "--n-gpu-layers", str(spec.n_gpu_layers),
         ]
+        if not {"-t", "--threads"} & set(spec.args):
+            argv += ["--threads", str(spec.threads)]
         if spec.cache_type_k:
             argv += ["--cache-type-k", spec.cache_type_k]
         if spec.cache_type_v:

@@ -1,0 +1,369 @@
+"""Model groups: one prompt over several local models — parallel, chain, fan-out, consensus —
+with per-member timeouts and fallbacks, selectors, and a judge or synthesizer model.
+
+Every member call goes through the same door as a single-model request: `daemon.acquire()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import structlog
+
+from corral.proxy.errors import UpstreamFailed
+from corral.proxy.forward import post_json
+from corral.supervisor.config import GroupSpec
+from corral.supervisor.daemon import Daemon
+from corral.supervisor.errors import SupervisorError
+
+log = structlog.get_logger("corral.groups")
+
+CHAT_PATH = "/v1/chat/completions"
+# Request fields that steer the group itself; everything else goes to every member as is.
+GROUP_FIELDS = frozenset({"group", "models", "template", "stream", "stream_options", "model"})
+
+
+@dataclass
+class MemberResult:
+    model: str
+    status: str  # ok | error | timeout | retried | replaced | cancelled
+    content: str | None = None
+    latency_ms: float = 0.0
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    replaced: str | None = None  # for status "replaced": the member this answer stands in for
+    input: str | None = None  # chain steps: the user message this step was given
+    finished_at: float = field(default=0.0, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "retried", "replaced")
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model, "status": self.status, "content": self.content,
+            "latency_ms": round(self.latency_ms, 1), "usage": self.usage, "error": self.error}
+        if self.replaced:
+            out["replaced"] = self.replaced
+        if self.input is not None:
+            out["input"] = self.input
+        return out
+
+
+@dataclass
+class Selection:
+    index: int
+    model: str
+    reason: str
+
+
+@dataclass
+class GroupOutcome:
+    group: GroupSpec
+    responses: list[MemberResult]
+    wall_ms: float
+    selected: Selection | None = None
+    final: str | None = None
+    extra_usage: list[dict[str, Any]] = field(default_factory=list)  # judge / synthesizer
+
+    @property
+    def ok_count(self) -> int:
+        return sum(r.ok for r in self.responses)
+
+    @property
+    def complete(self) -> bool:
+        return self.ok_count >= self.group.required_responses
+
+    def answer(self) -> str:
+        """The one text a chat completion for this group returns."""
+        if self.final is not None:
+            return self.final
+        if self.selected is not None:
+            return self.responses[self.selected.index].content or ""
+        return "\n\n".join(
+            f"### {r.model}\n{r.content if r.ok else f'(no answer: {r.error})'}"
+            for r in self.responses)
+
+    def usage(self) -> dict[str, int]:
+        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for usage in [r.usage for r in self.responses] + self.extra_usage:
+            for key in total:
+                total[key] += int((usage or {}).get(key) or 0)
+        return total
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "group": self.group.name, "type": self.group.type, "complete": self.complete,
+            "required_responses": self.group.required_responses,
+            "wall_ms": round(self.wall_ms, 1),
+            "responses": [r.as_dict() for r in self.responses],
+            "usage": self.usage()}
+        if self.selected is not None:
+            out["selected"] = {"index": self.selected.index, "model": self.selected.model,
+                               "reason": self.selected.reason}
+        if self.final is not None or self.group.type in ("fan_out", "consensus", "chain"):
+            out["final"] = self.answer()
+        return out
+
+
+class GroupFailed(Exception):
+    """Not enough members answered (strict: any failure; otherwise: none at all) → 502."""
+
+    def __init__(self, message: str, outcome: GroupOutcome):
+        self.outcome = outcome
+        super().__init__(message)
+
+
+def member_body(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k not in GROUP_FIELDS}
+
+
+def last_user_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):  # content parts: keep the text ones
+                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def with_user_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The conversation with its last user message replaced (or appended) by `text`."""
+    out = list(messages)
+    for i in range(len(out) - 1, -1, -1):
+        if out[i].get("role") == "user":
+            out[i] = {**out[i], "content": text}
+            return out
+    return [*out, {"role": "user", "content": text}]
+
+
+class GroupRunner:
+    def __init__(self, daemon: Daemon, session: aiohttp.ClientSession):
+        self.daemon = daemon
+        self.session = session
+
+    # -- one member ----------------------------------------------------------------------------
+
+    async def call(self, model: str, body: dict[str, Any], timeout: float) -> MemberResult:
+        """One attempt: acquire, ask, release. A timeout cancels the upstream request too."""
+        started = time.monotonic()
+
+        def result(status: str, **kw: Any) -> MemberResult:
+            now = time.monotonic()
+            return MemberResult(model, status, latency_ms=(now - started) * 1000,
+                                finished_at=now, **kw)
+
+        try:
+            async with asyncio.timeout(timeout):
+                lease = await self.daemon.acquire(model)
+                try:
+                    data = await post_json(self.session, lease.base_url + CHAT_PATH,
+                                           {**body, "model": model, "stream": False}, model)
+                except UpstreamFailed:
+                    await lease.upstream_broke()
+                    raise
+                finally:
+                    lease.release()
+        except TimeoutError:
+            return result("timeout", error=f"no answer within {timeout:g}s (cancelled)")
+        except (SupervisorError, UpstreamFailed) as exc:
+            return result("error", error=str(exc))
+        try:
+            content = data["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            return result("error", error=f"{model} answered without a message: {str(data)[:200]}")
+        return result("ok", content=content, usage=data.get("usage"))
+
+    async def member(self, group: GroupSpec, model: str, body: dict[str, Any]) -> MemberResult:
+        """One member under the group's fallback rule."""
+        first = await self.call(model, body, group.member_timeout)
+        if first.ok:
+            return first
+        if group.fallback == "retry_once":
+            log.info("group.member_retry", group=group.name, model=model, error=first.error)
+            second = await self.call(model, body, group.member_timeout)
+            if second.ok:
+                return replace(second, status="retried",
+                               error=f"first attempt failed: {first.error}")
+            return replace(second, error=f"failed twice: {first.error}; then: {second.error}")
+        backup = group.replace_with.get(model)
+        if group.fallback == "replace_with" and backup:
+            log.info("group.member_replaced", group=group.name, model=model, backup=backup,
+                     error=first.error)
+            stand_in = await self.call(backup, body, group.member_timeout)
+            if stand_in.ok:
+                return replace(stand_in, status="replaced", replaced=model,
+                               error=f"{model} failed: {first.error}")
+            return replace(first, error=f"{first.error}; backup {backup}: {stand_in.error}")
+        return first
+
+    # -- whole groups --------------------------------------------------------------------------
+
+    async def run(self, group: GroupSpec, request: dict[str, Any],
+                  final_step: Callable[[GroupOutcome], Awaitable[None]] | None = None,
+                  ) -> GroupOutcome:
+        """Run `group` on an OpenAI-style request. `final_step`, when given, replaces the
+        synthesizer call of a consensus group (a streaming caller relays it itself)."""
+        self.daemon.check_capacity(group.models, f"group {group.name!r}")
+        body = member_body(request)
+        started = time.monotonic()
+        with self.daemon.reserve(group.models):
+            if group.type == "chain":
+                responses = await self._chain(group, body, request.get("template"))
+            elif group.type == "fan_out" and group.selector == "first_ok":
+                responses = await self._first_ok(group, body)
+            else:
+                responses = await self._concurrent(group, body)
+        outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
+        self._enforce_fallback(outcome)
+        if group.type == "fan_out":
+            outcome.selected = await self._select(group, body, outcome)
+        elif group.type == "consensus":
+            if final_step is not None:
+                await final_step(outcome)
+            else:
+                await self._synthesize(group, body, outcome)
+        elif group.type == "chain":
+            done = [r for r in responses if r.ok]
+            outcome.final = done[-1].content if done else None
+        outcome.wall_ms = (time.monotonic() - started) * 1000
+        log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
+                 members=len(responses), wall_ms=round(outcome.wall_ms, 1))
+        return outcome
+
+    async def _concurrent(self, group: GroupSpec, body: dict[str, Any]) -> list[MemberResult]:
+        # Members run at once: the group takes as long as its slowest member, not the sum.
+        return list(await asyncio.gather(*(self.member(group, m, body) for m in group.models)))
+
+    async def _first_ok(self, group: GroupSpec, body: dict[str, Any]) -> list[MemberResult]:
+        tasks = {asyncio.create_task(self.member(group, m, body)): i
+                 for i, m in enumerate(group.models)}
+        results: list[MemberResult | None] = [None] * len(tasks)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                result = await next_done
+                results[group.models.index(result.replaced or result.model)] = result
+                if result.ok:
+                    break
+        finally:
+            for task, i in tasks.items():
+                if not task.done():
+                    task.cancel()
+                    results[i] = MemberResult(group.models[i], "cancelled",
+                                              error="another member answered first")
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return [r or MemberResult(group.models[i], "cancelled") for i, r in enumerate(results)]
+
+    async def _chain(self, group: GroupSpec, body: dict[str, Any],
+                     template: str | None) -> list[MemberResult]:
+        messages = list(body.get("messages") or [])
+        original = last_user_text(messages)
+        shape = template or group.template or "{previous}"
+        steps: list[MemberResult] = []
+        previous: str | None = None
+        for model in group.models:
+            text = original if previous is None else shape.format(previous=previous,
+                                                                  input=original)
+            step_body = {**body, "messages": with_user_text(messages, text)}
+            step = replace(await self.member(group, model, step_body), input=text)
+            steps.append(step)
+            if not step.ok:
+                break  # a chain cannot go on without its previous step's output
+            previous = step.content or ""
+        return steps
+
+    def _enforce_fallback(self, outcome: GroupOutcome) -> None:
+        group = outcome.group
+        failed = [r for r in outcome.responses if not r.ok and r.status != "cancelled"]
+        chain_cut = group.type == "chain" and len(outcome.responses) < len(group.models)
+        if outcome.ok_count == 0 or (group.fallback == "strict" and (failed or chain_cut)):
+            detail = "; ".join(f"{r.model}: {r.error}" for r in failed) or "no member answered"
+            raise GroupFailed(f"group {group.name!r} failed ({group.fallback}): {detail}",
+                              outcome)
+
+    # -- selectors -----------------------------------------------------------------------------
+
+    async def _select(self, group: GroupSpec, body: dict[str, Any],
+                      outcome: GroupOutcome) -> Selection:
+        ok = [(i, r) for i, r in enumerate(outcome.responses) if r.ok]
+        selector = group.selector
+        if selector == "judge" and group.judge:
+            picked = await self._judge(group, body, outcome, ok)
+            if picked is not None:
+                return picked
+            selector = "first_ok"
+        if selector == "longest":
+            i, r = max(ok, key=lambda p: len(p[1].content or ""))
+            return Selection(i, r.model, f"longest answer ({len(r.content or '')} chars)")
+        if selector == "shortest":
+            i, r = min(ok, key=lambda p: len(p[1].content or ""))
+            return Selection(i, r.model, f"shortest answer ({len(r.content or '')} chars)")
+        if selector == "majority":
+            votes = Counter(_normalized(r.content) for _, r in ok)
+            top, count = votes.most_common(1)[0]
+            i, r = next(p for p in ok if _normalized(p[1].content) == top)  # first in order
+            return Selection(i, r.model, f"majority: {count} of {len(ok)} answers agree")
+        i, r = min(ok, key=lambda p: p[1].finished_at)
+        return Selection(i, r.model, "first answer to arrive")
+
+    async def _judge(self, group: GroupSpec, body: dict[str, Any], outcome: GroupOutcome,
+                     ok: list[tuple[int, MemberResult]]) -> Selection | None:
+        assert group.judge
+        question = last_user_text(body.get("messages") or [])
+        listing = "\n\n".join(f"[{n}] {r.content}" for n, (_, r) in enumerate(ok, 1))
+        prompt = (f"Question:\n{question}\n\nCandidate answers:\n\n{listing}\n\n"
+                  f"Which answer is best? Reply with its number only (1-{len(ok)}).")
+        judge_body = {
+            "messages": [{"role": "system", "content": "You compare answers and pick the best."},
+                         {"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": 4,
+            # llama-server's GBNF grammar: the judge can only answer a valid number.
+            "grammar": "root ::= " + " | ".join(f'"{n}"' for n in range(1, len(ok) + 1)),
+        }
+        verdict = await self.call(group.judge, judge_body, group.member_timeout)
+        if verdict.usage:
+            outcome.extra_usage.append(verdict.usage)
+        match = re.search(r"\d+", verdict.content or "") if verdict.ok else None
+        if match and 1 <= int(match.group()) <= len(ok):
+            i, r = ok[int(match.group()) - 1]
+            return Selection(i, r.model, f"judge {group.judge} picked answer {match.group()}")
+        log.warning("group.judge_unusable", group=group.name, judge=group.judge,
+                    answer=verdict.content, error=verdict.error)
+        return None
+
+    # -- consensus -----------------------------------------------------------------------------
+
+    def synthesis_body(self, group: GroupSpec, body: dict[str, Any],
+                       outcome: GroupOutcome) -> dict[str, Any]:
+        messages = list(body.get("messages") or [])
+        question = last_user_text(messages)
+        answers = "\n\n".join(f"[Answer {n}] {r.content}"
+                              for n, r in enumerate((r for r in outcome.responses if r.ok), 1))
+        prompt = (f"{question}\n\nSeveral assistants answered this independently:\n\n"
+                  f"{answers}\n\nUsing what they agree on, write the single best answer.")
+        return {**body, "messages": with_user_text(messages, prompt)}
+
+    async def _synthesize(self, group: GroupSpec, body: dict[str, Any],
+                          outcome: GroupOutcome) -> None:
+        assert group.synthesizer
+        result = await self.call(group.synthesizer, self.synthesis_body(group, body, outcome),
+                                 group.member_timeout)
+        if result.usage:
+            outcome.extra_usage.append(result.usage)
+        if not result.ok:
+            raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
+                              f"{result.error}", outcome)
+        outcome.final = result.content
+
+
+def _normalized(text: str | None) -> str:
+    return re.sub(r"\s+", " ", (text or "").strip().lower()).rstrip(".!")

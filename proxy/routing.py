@@ -1,0 +1,49 @@
+"""Model name / alias / exposed group → what answers the request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corral.supervisor.config import GroupSpec
+from corral.supervisor.daemon import Daemon
+from corral.supervisor.errors import UnknownModel
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    name: str  # canonical model name
+
+
+@dataclass(frozen=True)
+class GroupTarget:
+    group: GroupSpec
+
+
+def exposed_groups(daemon: Daemon) -> dict[str, GroupSpec]:
+    return {n: g for n, g in daemon.loaded.groups.items() if g.expose_as_model}
+
+
+def resolve(daemon: Daemon, name: str) -> ModelTarget | GroupTarget:
+    canonical = daemon.resolve(name)
+    if canonical is not None:
+        return ModelTarget(canonical)
+    group = exposed_groups(daemon).get(name)
+    if group is not None:
+        return GroupTarget(group)
+    raise UnknownModel(name, sorted([*daemon.instances, *exposed_groups(daemon)]))
+
+
+def group_by_name(daemon: Daemon, name: object) -> GroupSpec:
+    """Groups named in /v1/batch or /v1/chain bodies (exposed or not)."""
+    group = daemon.loaded.groups.get(name) if isinstance(name, str) else None
+    if group is None:
+        raise UnknownGroup(str(name), sorted(daemon.loaded.groups))
+    return group
+
+
+class UnknownGroup(UnknownModel):
+    code = "group_not_found"
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(name, known)
+        self.args = (f"group {name!r} does not exist; groups: {', '.join(known) or 'none'}",)

@@ -1,0 +1,331 @@
+"""Model groups over real llama-server children: parallel, chain, fan-out, consensus,
+fallbacks with members made to fail for real, cancellation, and the policy around them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+
+from conftest import tiny_config, wait_until
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def grouped(tiny_models, groups: dict[str, Any], names: list[str] | None = None,
+            **overrides: Any) -> dict[str, Any]:
+    config = tiny_config(tiny_models, names or ["tiny-a", "tiny-b", "tiny-c", "tiny-a2"],
+                         **overrides)
+    config["groups"] = groups
+    return config
+
+
+def batch(corral, group: str, **body: Any) -> httpx.Response:
+    return corral.http.post("/v1/batch/execute",
+                            json={"group": group, "messages": HI, "temperature": 0, **body})
+
+
+def cancelled_in_child(corral, model: str) -> bool:
+    lines = corral.http.get(f"/admin/models/{model}/logs", params={"lines": 80}).json()["lines"]
+    return any("cancel task" in line for line in lines)
+
+
+def test_parallel_group_runs_members_concurrently(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"core": {
+        "models": ["tiny-a", "tiny-b", "tiny-c"], "type": "parallel"}}))
+    for name in ("tiny-a", "tiny-b", "tiny-c"):
+        corral.http.post(f"/admin/models/{name}/load")
+    started = time.monotonic()
+    resp = batch(corral, "core", max_tokens=600, ignore_eos=True)
+    elapsed_ms = (time.monotonic() - started) * 1000
+    assert resp.status_code == 200, resp.text
+    result = resp.json()
+    assert (result["group"], result["type"], result["complete"]) == ("core", "parallel", True)
+    members = result["responses"]
+    assert [m["model"] for m in members] == ["tiny-a", "tiny-b", "tiny-c"]
+    assert all(m["status"] == "ok" and m["content"] and m["error"] is None for m in members)
+    assert all(m["usage"]["completion_tokens"] == 600 for m in members)
+    latencies = [m["latency_ms"] for m in members]
+    # The group takes as long as its slowest member, not the sum of them.
+    assert result["wall_ms"] - max(latencies) < 100, (result["wall_ms"], latencies)
+    assert elapsed_ms < 0.8 * sum(latencies), (elapsed_ms, latencies)
+
+
+def test_chain_feeds_each_step_the_previous_output(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"pipe": {
+        "models": ["tiny-a", "tiny-b", "tiny-c"], "type": "chain"}}))
+    resp = corral.http.post("/v1/chain/execute", json={
+        "group": "pipe", "messages": HI, "max_tokens": 12, "temperature": 0})
+    assert resp.status_code == 200
+    result = resp.json()
+    steps = result["steps"]
+    assert [s["model"] for s in steps] == ["tiny-a", "tiny-b", "tiny-c"]
+    assert steps[0]["input"] == "hi"
+    assert steps[1]["input"] == steps[0]["content"]  # the second step saw the first's text
+    assert steps[2]["input"] == steps[1]["content"]
+    assert result["final"] == steps[2]["content"] and result["complete"]
+    assert all(s["latency_ms"] > 0 and s["usage"]["prompt_tokens"] > 0 for s in steps)
+
+    shaped = corral.http.post("/v1/chain/execute", json={
+        "models": ["tiny-b", "tiny-a"], "messages": HI, "max_tokens": 6, "temperature": 0,
+        "template": "Q: {input}\nDraft: {previous}\nImprove it."}).json()
+    first, second = shaped["steps"]
+    assert second["input"] == f"Q: hi\nDraft: {first['content']}\nImprove it."
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]
+
+    bad = corral.http.post("/v1/chain/execute", json={
+        "models": ["tiny-a", "tiny-b"], "messages": HI, "template": "{nope}"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_template"
+
+
+def test_fan_out_majority_picks_the_answer_most_members_gave(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"vote": {
+        "models": ["tiny-b", "tiny-a", "tiny-a2"], "type": "fan_out", "selector": "majority"}}))
+    result = batch(corral, "vote", max_tokens=16).json()
+    b, a, a2 = (m["content"] for m in result["responses"])
+    assert a == a2 != b  # tiny-a2 has tiny-a's weights: at temperature 0, the same answer
+    assert result["selected"]["index"] == 1 and result["selected"]["model"] == "tiny-a"
+    assert "2 of 3" in result["selected"]["reason"]
+    assert result["final"] == a
+
+
+def test_fan_out_judge_picks_a_valid_answer(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"judged": {
+        "models": ["tiny-a", "tiny-b"], "type": "fan_out", "selector": "judge",
+        "judge": "tiny-c"}}))
+    result = batch(corral, "judged", max_tokens=16).json()
+    selected = result["selected"]
+    assert selected["index"] in (0, 1)
+    assert selected["reason"].startswith("judge tiny-c picked answer ")
+    assert result["final"] == result["responses"][selected["index"]]["content"]
+    # The judge's tokens are part of the bill.
+    member_tokens = sum(m["usage"]["total_tokens"] for m in result["responses"])
+    assert result["usage"]["total_tokens"] > member_tokens
+
+
+def test_fan_out_longest_and_shortest(start_corral, tiny_models):
+    members = ["tiny-a", "tiny-b", "tiny-c"]
+    corral = start_corral(grouped(tiny_models, {
+        "long": {"models": members, "type": "fan_out", "selector": "longest"},
+        "short": {"models": members, "type": "fan_out", "selector": "shortest"}}))
+    for name, pick in (("long", max), ("short", min)):
+        result = batch(corral, name, max_tokens=24).json()
+        lengths = [len(m["content"]) for m in result["responses"]]
+        assert lengths[result["selected"]["index"]] == pick(lengths)
+
+
+def test_fan_out_first_ok_cancels_the_slower_members(start_corral, tiny_models, smol_model):
+    config = grouped(tiny_models, {"race": {
+        "models": ["smol", "tiny-a"], "type": "fan_out", "selector": "first_ok"}},
+        names=["tiny-a"])
+    config["models"]["smol"] = {"model": str(smol_model), "ctx": 2048}
+    corral = start_corral(config)
+    corral.http.post("/admin/models/smol/load")
+    result = batch(corral, "race", max_tokens=400, ignore_eos=True).json()
+    smol, tiny = result["responses"]
+    assert tiny["status"] == "ok" and result["selected"]["model"] == "tiny-a"
+    assert smol["status"] == "cancelled"
+    wait_until(lambda: cancelled_in_child(corral, "smol"), timeout=5)
+
+
+def test_consensus_streams_the_synthesis_through_the_sdk(start_corral, smol_model):
+    smol = {"model": str(smol_model), "ctx": 2048}
+    corral = start_corral({
+        "models": {"smol-a": smol, "smol-b": dict(smol)},
+        "groups": {"council": {"models": ["smol-a", "smol-b"], "type": "consensus",
+                               "synthesizer": "smol-a", "expose_as_model": True}}})
+    assert "council" in {m.id for m in corral.client().models.list()}
+    stream = corral.client().chat.completions.create(
+        model="council", stream=True, temperature=0, max_tokens=40,
+        messages=[{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert {c.model for c in chunks} == {"council"} and len({c.id for c in chunks}) == 1
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 3  # streamed
+    details = chunks[-1].model_extra["corral_group"]
+    assert details["type"] == "consensus" and details["complete"]
+    assert [m["status"] for m in details["responses"]] == ["ok", "ok"]
+    assert all("Paris" in m["content"] for m in details["responses"])
+    assert details["final"] == text
+
+
+def test_exposed_parallel_group_answers_chat_completions(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {
+        "core": {"models": ["tiny-a", "tiny-b"], "expose_as_model": True},
+        "hidden": {"models": ["tiny-a", "tiny-b"]}}))
+    listed = {m.id: m for m in corral.client().models.list()}
+    assert listed["core"].model_extra["group"] == {"type": "parallel",
+                                                   "models": ["tiny-a", "tiny-b"]}
+    assert "hidden" not in listed
+    reply = corral.client().chat.completions.create(model="core", messages=HI, max_tokens=8)
+    text = reply.choices[0].message.content
+    assert text.startswith("### tiny-a\n") and "\n\n### tiny-b\n" in text
+    details = reply.model_extra["corral_group"]
+    assert [m["model"] for m in details["responses"]] == ["tiny-a", "tiny-b"]
+    assert reply.usage.total_tokens == details["usage"]["total_tokens"] > 0
+
+    streamed = list(corral.client().chat.completions.create(
+        model="core", messages=HI, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert streamed[-1].model_extra["corral_group"]["complete"]
+
+    with_completions = corral.http.post("/v1/completions", json={"model": "core", "prompt": "x"})
+    assert with_completions.status_code == 400
+    with openai_error(openai.NotFoundError):
+        corral.client().chat.completions.create(model="hidden", messages=HI)
+
+
+@contextlib.contextmanager
+def openai_error(kind: type[Exception]) -> Any:
+    try:
+        yield
+    except kind:
+        return
+    raise AssertionError(f"expected {kind.__name__}")
+
+
+def test_bad_group_requests(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"core": {"models": ["tiny-a", "tiny-b"]}}))
+    unknown = corral.http.post("/v1/batch/execute", json={"group": "nope", "messages": HI})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "group_not_found"
+    assert "core" in unknown.json()["error"]["message"]
+    no_messages = corral.http.post("/v1/batch/execute", json={"group": "core"})
+    assert no_messages.status_code == 400
+    no_models = corral.http.post("/v1/chain/execute", json={"messages": HI})
+    assert no_models.status_code == 400
+    unknown_member = corral.http.post("/v1/chain/execute",
+                                      json={"models": ["tiny-a", "ghost"], "messages": HI})
+    assert unknown_member.status_code == 404
+
+
+# -- fallbacks, each with a member failing for real ---------------------------------------------
+
+def broken_config(tiny_models, tmp_path, **group: Any) -> dict[str, Any]:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF not really")
+    config = grouped(tiny_models, {"g": {"models": ["tiny-a", "broken", "tiny-b"], **group}})
+    config["models"]["broken"] = {"model": str(broken)}
+    return config
+
+
+def test_strict_fails_with_every_members_status(start_corral, tiny_models, tmp_path):
+    corral = start_corral(broken_config(tiny_models, tmp_path, fallback="strict"))
+    resp = batch(corral, "g", max_tokens=4)
+    assert resp.status_code == 502
+    body = resp.json()
+    assert body["error"]["code"] == "group_failed" and "broken" in body["error"]["message"]
+    statuses = {m["model"]: m["status"] for m in body["group"]["responses"]}
+    assert statuses == {"tiny-a": "ok", "broken": "error", "tiny-b": "ok"}
+    assert "exited with code" in body["group"]["responses"][1]["error"]
+
+
+def test_partial_returns_what_completed(start_corral, tiny_models, tmp_path):
+    corral = start_corral(broken_config(tiny_models, tmp_path, fallback="partial"))
+    result = batch(corral, "g", max_tokens=4).json()
+    assert result["complete"] is False
+    assert [m["status"] for m in result["responses"]] == ["ok", "error", "ok"]
+    assert result["responses"][1]["content"] is None
+
+
+def test_replace_with_runs_the_backup(start_corral, tiny_models, tmp_path):
+    corral = start_corral(broken_config(tiny_models, tmp_path, fallback="replace_with",
+                                        replace_with={"broken": "tiny-c"}))
+    result = batch(corral, "g", max_tokens=4).json()
+    assert result["complete"] is True
+    stand_in = result["responses"][1]
+    assert (stand_in["status"], stand_in["model"], stand_in["replaced"]) == (
+        "replaced", "tiny-c", "broken")
+    assert stand_in["content"] and "broken failed" in stand_in["error"]
+
+
+def test_retry_once_survives_a_member_killed_mid_request(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"g": {
+        "models": ["tiny-a", "tiny-b"], "fallback": "retry_once"}}))
+    corral.http.post("/admin/models/tiny-b/load")
+    victim = corral.model("tiny-b")["pid"]
+    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+    result = batch(corral, "g", max_tokens=1500, ignore_eos=True).json()
+    a, b = result["responses"]
+    assert a["status"] == "ok"
+    assert b["status"] == "retried" and "first attempt failed" in b["error"], b
+    assert b["usage"]["completion_tokens"] == 1500 and result["complete"]
+    assert corral.model("tiny-b")["pid"] != victim
+
+
+def test_member_timeout_cancels_the_slow_member(start_corral, tiny_models, smol_model):
+    config = grouped(tiny_models, {"g": {
+        "models": ["tiny-a", "smol"], "fallback": "partial", "member_timeout": 1.5}},
+        names=["tiny-a"])
+    config["models"]["smol"] = {"model": str(smol_model), "ctx": 2048}
+    corral = start_corral(config)
+    corral.http.post("/admin/models/smol/load")
+    result = batch(corral, "g", max_tokens=400, ignore_eos=True).json()
+    tiny, smol = result["responses"]
+    assert tiny["status"] == "ok"
+    assert smol["status"] == "timeout" and "1.5s" in smol["error"]
+    assert 1400 < smol["latency_ms"] < 2500
+    assert result["complete"] is False
+    wait_until(lambda: cancelled_in_child(corral, "smol"), timeout=5)
+    wait_until(lambda: corral.model("smol")["in_flight"] == 0)
+
+
+def test_client_disconnect_cancels_every_member(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"g": {"models": ["tiny-a", "tiny-b"]}}))
+    corral.http.post("/admin/models/tiny-a/load")
+    corral.http.post("/admin/models/tiny-b/load")
+    with contextlib.suppress(httpx.TimeoutException):
+        httpx.post(corral.url + "/v1/batch/execute", timeout=1, json={
+            "group": "g", "messages": HI, "max_tokens": 6000, "ignore_eos": True})
+    for name in ("tiny-a", "tiny-b"):
+        wait_until(lambda name=name: cancelled_in_child(corral, name), timeout=5)
+        wait_until(lambda name=name: corral.model(name)["in_flight"] == 0)
+
+
+# -- policy --------------------------------------------------------------------------------------
+
+def test_group_larger_than_max_loaded_is_refused_clearly(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"core": {
+        "models": ["tiny-a", "tiny-b", "tiny-c"]}}, policy={"max_loaded": 2}))
+    corral.chat("tiny-a", max_tokens=1)
+    resp = batch(corral, "core", max_tokens=2)
+    assert resp.status_code == 503
+    message = resp.json()["error"]["message"]
+    assert "needs 3 models" in message and "max_loaded is 2" in message
+    assert "tiny-a, tiny-b, tiny-c" in message and "loaded now: tiny-a" in message
+    assert corral.model("tiny-b")["state"] == "stopped"  # nothing thrashed
+
+
+def test_group_members_are_not_evicted_for_each_other(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"pair": {"models": ["tiny-a", "tiny-b"]}},
+                                  policy={"max_loaded": 2}))
+    corral.chat("tiny-a", max_tokens=1)
+    corral.chat("tiny-c", max_tokens=1)  # loaded: a, c; the group needs a and b
+    result = batch(corral, "pair", max_tokens=4).json()
+    assert result["complete"]
+    states = {n: m["state"] for n, m in corral.models().items()}
+    assert states["tiny-a"] == states["tiny-b"] == "ready" and states["tiny-c"] == "stopped"
+    assert corral.model("tiny-a")["starts"] == 1  # a was reserved, never evicted for b
+
+
+def test_pinned_group_loads_at_start_and_is_exempt_from_ttl_and_lru(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"core": {
+        "models": ["tiny-a", "tiny-b"], "pinned": True}},
+        defaults={"ttl": 1}, policy={"max_loaded": 3}))
+    wait_until(lambda: all(corral.model(n)["state"] == "ready" for n in ("tiny-a", "tiny-b")))
+    pids = {n: corral.model(n)["pid"] for n in ("tiny-a", "tiny-b")}
+    assert all(corral.model(n)["pinned"] for n in pids)
+    corral.chat("tiny-c", max_tokens=1)
+    corral.chat("tiny-a2", max_tokens=1)  # over max_loaded: evicts tiny-c, never a pinned one
+    assert corral.model("tiny-c")["state"] == "stopped"
+    time.sleep(2.5)  # well past ttl 1
+    assert {n: corral.model(n)["pid"] for n in pids} == pids
+    assert corral.model("tiny-a2")["state"] == "stopped"  # ttl still applies to the rest
