@@ -27,6 +27,7 @@ test: demo-model
 bench: demo-model
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/cold_start.py
+	$(BIN)/python bench/group_parallel.py
 
 lint: setup
 	$(BIN)/ruff check supervisor proxy tests bench

@@ -118,3 +118,66 @@ def test_presets_are_valid():
     assert presets
     for preset in presets:
         load_config(preset)
+
+
+GROUPS = """\
+policy: {max_loaded: 3}
+models:
+  a: {model: a.gguf}
+  b: {model: b.gguf, aliases: [bee]}
+  c: {model: c.gguf}
+groups:
+  core:
+    models: [a, bee, c]
+    type: fan_out
+    selector: judge
+    judge: c
+    fallback: replace_with
+    replace_with: {a: b}
+    pinned: true
+    expose_as_model: true
+"""
+
+
+def test_good_groups_resolve_aliases_and_defaults(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(GROUPS)
+    group = load_config(path).groups["core"]
+    assert group.models == ("a", "b", "c")  # the alias resolved to its model
+    assert group.required_responses == 1  # fan_out: one good answer to choose from
+    assert group.replace_with == {"a": "b"} and group.judge == "c" and group.pinned
+
+
+def test_group_errors_are_precise(tmp_path):
+    text = (GROUPS.replace("models: [a, bee, c]", "models: [a, b, bee, ghost]")
+            .replace("judge: c", "judge: nobody").replace("{a: b}", "{c: zed}")
+            + "  think:\n    models: [a]\n    type: consensus\n")
+    issues = _issues(text, tmp_path)
+    where = tmp_path / "corral.yaml"
+    assert f"{where}:8: groups.core.models[2]: 'bee' is listed twice" in issues
+    assert any(i.startswith(f"{where}:8: groups.core.models[3]: unknown model 'ghost'")
+               for i in issues)
+    assert any(i.startswith(f"{where}:11: groups.core.judge: unknown model 'nobody'")
+               for i in issues)
+    assert any("groups.core.replace_with.c: unknown model 'zed'" in i for i in issues)
+    assert f"{where}:16: groups.think.synthesizer: a consensus group needs a synthesizer model" \
+        in issues
+
+
+def test_group_judge_and_replace_with_must_be_given(tmp_path):
+    text = GROUPS.replace("    judge: c\n", "").replace("    replace_with: {a: b}\n", "")
+    issues = _issues(text, tmp_path)
+    assert any("groups.core.judge: selector 'judge' needs a judge model" in i for i in issues)
+    assert any("groups.core.replace_with: fallback 'replace_with' needs a replace_with map" in i
+               for i in issues)
+
+
+def test_pinned_groups_must_fit_max_loaded(tmp_path):
+    issues = _issues(GROUPS.replace("max_loaded: 3", "max_loaded: 2"), tmp_path)
+    assert any(":1: policy.max_loaded: pinned groups keep 3 models loaded (a, b, c) but "
+               "max_loaded is 2" in i for i in issues)
+
+
+def test_group_name_must_not_shadow_a_model(tmp_path):
+    issues = _issues(GROUPS.replace("  core:\n", "  a:\n"), tmp_path)
+    assert any("groups.a: group name 'a' is already a model name or alias" in i for i in issues)
