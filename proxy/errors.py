@@ -40,6 +40,10 @@ class UpstreamFailed(Exception):
     """The child broke the connection or answered garbage (→ 502)."""
 
 
+class UpstreamRejected(UpstreamFailed):
+    """The child answered, with an HTTP error: it is alive, the request was refused."""
+
+
 def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:
     """An error delivered inside an already-started SSE stream (the status line is gone).
     The OpenAI SDKs raise APIError on an event carrying an `error` object."""

@@ -8,7 +8,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from corral.proxy.errors import UpstreamFailed, sse_error_event
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected, sse_error_event
 
 # Per-connection headers (RFC 9110 §7.6.1) and ones aiohttp recomputes for the new message.
 _HOP_BY_HOP = frozenset({
@@ -107,7 +107,7 @@ async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str,
     if resp.status != 200:
         error = data.get("error") if isinstance(data, dict) else None
         message = error.get("message") if isinstance(error, dict) else str(data)[:300]
-        raise UpstreamFailed(f"{model} answered HTTP {resp.status}: {message}")
+        raise UpstreamRejected(f"{model} answered HTTP {resp.status}: {message}")
     if not isinstance(data, dict):
         raise UpstreamFailed(f"{model} answered with non-object JSON")
     return data

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.proxy.errors import ApiError, UpstreamFailed
+from corral.proxy.errors import ApiError
 from corral.proxy.forward import UPSTREAM_BROKE, sse_headers
 from corral.proxy.groups import CHAT_PATH, GroupFailed, GroupOutcome, GroupRunner
 from corral.proxy.routing import group_by_name
@@ -166,17 +166,18 @@ async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
     assert group.synthesizer
     payload = {**runner.synthesis_body(group, body, outcome), "model": group.synthesizer,
                "stream": True}
+    lease = None
     try:
         async with asyncio.timeout(group.member_timeout):  # until its first byte
             lease = await runner.daemon.acquire(group.synthesizer)
-            try:
-                upstream = await runner.session.post(lease.base_url + CHAT_PATH, json=payload)
-            except UPSTREAM_BROKE as exc:
-                lease.release()
-                raise UpstreamFailed(str(exc)) from exc
-    except (TimeoutError, UpstreamFailed, SupervisorError) as exc:
-        raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
-                          f"{exc or type(exc).__name__}", outcome) from exc
+            upstream = await runner.session.post(lease.base_url + CHAT_PATH, json=payload)
+    except BaseException as exc:
+        if lease is not None:
+            lease.release()
+        if isinstance(exc, (TimeoutError, SupervisorError, *UPSTREAM_BROKE)):
+            raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
+                              f"{exc or type(exc).__name__}", outcome) from exc
+        raise
     text: list[str] = []
     try:
         if upstream.status != 200:

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from corral.proxy.errors import UpstreamFailed
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected
 from corral.proxy.forward import post_json
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
@@ -168,6 +168,8 @@ class GroupRunner:
                 try:
                     data = await post_json(self.session, lease.base_url + CHAT_PATH,
                                            {**body, "model": model, "stream": False}, model)
+                except UpstreamRejected:
+                    raise
                 except UpstreamFailed:
                     await lease.upstream_broke()
                     raise
@@ -213,10 +215,13 @@ class GroupRunner:
                   ) -> GroupOutcome:
         """Run `group` on an OpenAI-style request. `final_step`, when given, replaces the
         synthesizer call of a consensus group (a streaming caller relays it itself)."""
-        self.daemon.check_capacity(group.models, f"group {group.name!r}")
+        # Members that run together must fit together, and are held so one's cold start
+        # cannot evict another. A chain's steps run one at a time: no such constraint.
+        together = () if group.type == "chain" else group.models
+        self.daemon.check_capacity(together, f"group {group.name!r}")
         body = member_body(request)
         started = time.monotonic()
-        with self.daemon.reserve(group.models):
+        with self.daemon.reserve(together):
             if group.type == "chain":
                 responses = await self._chain(group, body, request.get("template"))
             elif group.type == "fan_out" and group.selector == "first_ok":

@@ -252,7 +252,8 @@ class Instance:
         idle = self.idle_seconds(now)
         ttl_left = None
         if self.state is State.READY and self.spec.ttl > 0 and not self.pinned:
-            ttl_left = 0.0 if self.busy else max(0.0, self.spec.ttl - idle)
+            # In use, the clock has not started: it runs from the last release.
+            ttl_left = self.spec.ttl if self.busy else max(0.0, self.spec.ttl - idle)
         return {
             "name": self.name,
             "backend": self.spec.backend,
@@ -267,7 +268,7 @@ class Instance:
             "queue": self.queued,
             "parallel": self.spec.parallel,
             "ttl": self.spec.ttl,
-            "ttl_left": None if self.busy and ttl_left is None else ttl_left,
+            "ttl_left": ttl_left,
             "pinned": self.pinned,
             "starts": self.starts,
             "restarts": self.restarts,

@@ -26,6 +26,11 @@ def grouped(tiny_models, groups: dict[str, Any], names: list[str] | None = None,
     return config
 
 
+def with_smol(config: dict[str, Any], smol_model) -> dict[str, Any]:
+    config["models"]["smol"] = {"model": str(smol_model), "ctx": 2048}
+    return config
+
+
 def batch(corral, group: str, **body: Any) -> httpx.Response:
     return corral.http.post("/v1/batch/execute",
                             json={"group": group, "messages": HI, "temperature": 0, **body})
@@ -121,11 +126,9 @@ def test_fan_out_longest_and_shortest(start_corral, tiny_models):
 
 
 def test_fan_out_first_ok_cancels_the_slower_members(start_corral, tiny_models, smol_model):
-    config = grouped(tiny_models, {"race": {
+    corral = start_corral(with_smol(grouped(tiny_models, {"race": {
         "models": ["smol", "tiny-a"], "type": "fan_out", "selector": "first_ok"}},
-        names=["tiny-a"])
-    config["models"]["smol"] = {"model": str(smol_model), "ctx": 2048}
-    corral = start_corral(config)
+        names=["tiny-a"]), smol_model))
     corral.http.post("/admin/models/smol/load")
     result = batch(corral, "race", max_tokens=400, ignore_eos=True).json()
     smol, tiny = result["responses"]
@@ -262,11 +265,9 @@ def test_retry_once_survives_a_member_killed_mid_request(start_corral, tiny_mode
 
 
 def test_member_timeout_cancels_the_slow_member(start_corral, tiny_models, smol_model):
-    config = grouped(tiny_models, {"g": {
+    corral = start_corral(with_smol(grouped(tiny_models, {"g": {
         "models": ["tiny-a", "smol"], "fallback": "partial", "member_timeout": 1.5}},
-        names=["tiny-a"])
-    config["models"]["smol"] = {"model": str(smol_model), "ctx": 2048}
-    corral = start_corral(config)
+        names=["tiny-a"]), smol_model))
     corral.http.post("/admin/models/smol/load")
     result = batch(corral, "g", max_tokens=400, ignore_eos=True).json()
     tiny, smol = result["responses"]
@@ -329,3 +330,27 @@ def test_pinned_group_loads_at_start_and_is_exempt_from_ttl_and_lru(start_corral
     time.sleep(2.5)  # well past ttl 1
     assert {n: corral.model(n)["pid"] for n in pids} == pids
     assert corral.model("tiny-a2")["state"] == "stopped"  # ttl still applies to the rest
+
+
+def test_chain_longer_than_max_loaded_runs_step_by_step(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"pipe": {
+        "models": ["tiny-a", "tiny-b", "tiny-c"], "type": "chain"}}, policy={"max_loaded": 2}))
+    result = corral.http.post("/v1/chain/execute", json={
+        "group": "pipe", "messages": HI, "max_tokens": 4}).json()
+    assert result["complete"] and [s["status"] for s in result["steps"]] == ["ok"] * 3
+    assert corral.model("tiny-a")["state"] == "stopped"  # evicted for tiny-c, its step done
+
+
+def test_a_member_refused_by_its_child_fails_fast(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {"g": {
+        "models": ["tiny-a", "tiny-b"], "fallback": "partial"}}))
+    corral.http.post("/admin/models/tiny-a/load")
+    corral.http.post("/admin/models/tiny-b/load")
+    # An unparsable grammar: each child answers HTTP 400 at once. It is alive, so no time
+    # goes to waiting for it to exit.
+    resp = batch(corral, "g", max_tokens=4, grammar="root ::= (")
+    assert resp.status_code == 502
+    members = resp.json()["group"]["responses"]
+    assert all("answered HTTP 400" in m["error"] for m in members)
+    assert all(m["latency_ms"] < 300 for m in members), members
+    assert all(corral.model(n)["state"] == "ready" for n in ("tiny-a", "tiny-b"))

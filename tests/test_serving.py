@@ -99,6 +99,7 @@ def test_queue_full_is_429_and_parallel_limits_concurrency(start_corral, tiny_mo
         time.sleep(0.3)  # first takes the slot, second queues
     state = corral.model("tiny-a")
     assert (state["in_flight"], state["queue"]) == (1, 1)
+    assert state["ttl_left"] == state["ttl"]  # in use: the idle clock has not started
     over = corral.chat("tiny-a", max_tokens=1)
     assert over.status_code == 429
     assert over.json()["error"]["code"] == "queue_full"
