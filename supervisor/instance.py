@@ -151,6 +151,21 @@ class Instance:
 
     async def _start(self, session: aiohttp.ClientSession,
                      on_spawn: Callable[[Instance], None]) -> None:
+        # A free port can be taken by someone else before the child binds it: one retry.
+        for attempt in (1, 2):
+            process = await self._spawn_and_wait(session, on_spawn, last_try=attempt == 2)
+            if process is not None:
+                break
+        else:  # pragma: no cover - the second attempt returns or raises
+            raise AssertionError("unreachable")
+        self.last_error = None
+        self._transition(State.READY)
+        self._exit_task = asyncio.create_task(self._watch_exit(process), name=f"exit:{self.name}")
+
+    async def _spawn_and_wait(self, session: aiohttp.ClientSession,
+                              on_spawn: Callable[[Instance], None],
+                              last_try: bool) -> ChildProcess | None:
+        """One start attempt: the healthy child, or None when it lost its port (retry)."""
         self.port = free_port()
         try:
             argv = self.backend.argv(self.spec, self.port)
@@ -170,8 +185,11 @@ class Instance:
         try:
             await process.wait_healthy(session, url, self.spec.start_timeout)
         except ChildExited as exc:
-            self._transition(State.FAILED, str(exc))
             await process.stop(0)
+            if not last_try and self.backend.lost_port_race(exc.tail):
+                self._log.warning("instance.port_taken", port=self.port, pid=process.pid)
+                return None
+            self._transition(State.FAILED, str(exc))
             raise StartFailed(str(exc), exc.tail) from exc
         except ChildStartTimeout as exc:
             message = f"{exc}; stopped it"
@@ -182,9 +200,7 @@ class Instance:
             # The daemon is shutting down mid-start.
             await process.stop(0)
             raise
-        self.last_error = None
-        self._transition(State.READY)
-        self._exit_task = asyncio.create_task(self._watch_exit(process), name=f"exit:{self.name}")
+        return process
 
     async def _watch_exit(self, process: ChildProcess) -> None:
         code = await process.wait()

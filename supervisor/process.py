@@ -41,6 +41,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> bool:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False  # not listening yet, or still loading
+
+
 def _child_setup() -> None:
     # Runs in the child between fork and exec. SIGKILL the child when the daemon dies, even
     # by SIGKILL; if the daemon is already gone (reparented), exit at once instead.
@@ -126,26 +134,27 @@ class ChildProcess:
         return code
 
     async def wait_healthy(self, session: aiohttp.ClientSession, url: str, timeout: float) -> None:
-        """Poll `url` until it answers 200; fast at first because small models load in ms."""
+        """Poll `url` until it answers 200; fast at first because small models load in ms.
+        Each probe races the child's exit, so a child that dies is noticed at once, even
+        while a probe hangs on a port someone else holds."""
         assert self._proc
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         delay = 0.01
         exit_task = asyncio.ensure_future(self._proc.wait())
         try:
             while True:
-                if exit_task.done():
-                    raise self._exited_error()
-                remaining = deadline - asyncio.get_running_loop().time()
+                remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise ChildStartTimeout(
                         f"{self.name} not ready after {timeout:g}s", self.tail())
-                try:
-                    probe = aiohttp.ClientTimeout(total=min(2.0, remaining))
-                    async with session.get(url, timeout=probe) as resp:
-                        if resp.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass  # port not open yet
+                probe = asyncio.ensure_future(_probe(session, url, min(2.0, remaining)))
+                await asyncio.wait({probe, exit_task}, return_when=asyncio.FIRST_COMPLETED)
+                if exit_task.done():
+                    probe.cancel()
+                    raise self._exited_error()
+                if probe.result():
+                    return
                 await asyncio.wait([exit_task], timeout=min(delay, max(remaining, 0.001)))
                 delay = min(delay * 1.5, 0.25)
         finally:

@@ -23,3 +23,8 @@ class Backend(Protocol):
     def env(self, spec: ModelSpec) -> dict[str, str]:
         """Extra environment for the child, on top of the daemon's."""
         ...
+
+    def lost_port_race(self, log_tail: list[str]) -> bool:
+        """Whether a child that exited during start did so because its port was taken
+        between corral picking it and the child binding it (worth one retry)."""
+        ...

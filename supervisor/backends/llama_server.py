@@ -74,5 +74,8 @@ class LlamaServer:
     def env(self, spec: ModelSpec) -> dict[str, str]:
         return dict(spec.env)
 
+    def lost_port_race(self, log_tail: list[str]) -> bool:
+        return any("couldn't bind HTTP server socket" in line for line in log_tail)
+
 
 BACKENDS = {"llama-server": LlamaServer()}
