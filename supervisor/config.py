@@ -42,6 +42,13 @@ class PolicyConfig(_Strict):
     )
 
 
+# Flags today's llama-server no longer has, and what replaced them.
+_REMOVED_FLAGS = {
+    "--mlock": "--load-mode mlock (or mmap+mlock)",
+    "--no-mmap": "--load-mode none",
+}
+
+
 class ModelConfig(_Strict):
     backend: BackendKind = "llama-server"
     model: str
@@ -57,6 +64,14 @@ class ModelConfig(_Strict):
     env: dict[str, str] = {}
     binary: str | None = None
     start_timeout: float | None = Field(None, gt=0)
+
+    @field_validator("args")
+    @classmethod
+    def _no_removed_flags(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if arg in _REMOVED_FLAGS:
+                raise ValueError(f"llama-server no longer has {arg}; use {_REMOVED_FLAGS[arg]}")
+        return args
 
 
 GroupType = Literal["parallel", "chain", "fan_out", "consensus"]

@@ -225,11 +225,15 @@ class Daemon:
         """Refuse up front what max_loaded can never fit, instead of thrashing."""
         wanted = sorted(set(names))
         max_loaded = self.loaded.config.policy.max_loaded
-        if len(wanted) > max_loaded:
+        # Pinned models outside the request hold their places for good.
+        pinned = sorted(i.name for i in self.instances.values()
+                        if i.pinned and i.name not in wanted)
+        if len(wanted) + len(pinned) > max_loaded:
             loaded = sorted(i.name for i in self.instances.values() if i.state in LOADED_STATES)
+            held = f" and {len(pinned)} pinned ({', '.join(pinned)})" if pinned else ""
             raise NoCapacity(
-                f"{what} needs {len(wanted)} models loaded at once ({', '.join(wanted)}) but "
-                f"max_loaded is {max_loaded}; loaded now: {', '.join(loaded) or 'none'}")
+                f"{what} needs {len(wanted)} models loaded at once ({', '.join(wanted)}){held} "
+                f"but max_loaded is {max_loaded}; loaded now: {', '.join(loaded) or 'none'}")
 
     # -- admin actions -------------------------------------------------------------------------
 

@@ -181,3 +181,10 @@ def test_pinned_groups_must_fit_max_loaded(tmp_path):
 def test_group_name_must_not_shadow_a_model(tmp_path):
     issues = _issues(GROUPS.replace("  core:\n", "  a:\n"), tmp_path)
     assert any("groups.a: group name 'a' is already a model name or alias" in i for i in issues)
+
+
+def test_removed_llama_server_flags_are_refused_with_the_replacement(tmp_path):
+    issues = _issues(GOOD.replace('args: ["--flash-attn", "auto"]', 'args: ["--mlock"]'),
+                     tmp_path)
+    assert any(":11: models.smol.args: Value error, llama-server no longer has --mlock; use "
+               "--load-mode mlock" in i for i in issues)

@@ -354,3 +354,13 @@ def test_a_member_refused_by_its_child_fails_fast(start_corral, tiny_models):
     assert all("answered HTTP 400" in m["error"] for m in members)
     assert all(m["latency_ms"] < 300 for m in members), members
     assert all(corral.model(n)["state"] == "ready" for n in ("tiny-a", "tiny-b"))
+
+
+def test_capacity_check_counts_other_groups_pinned_models(start_corral, tiny_models):
+    corral = start_corral(grouped(tiny_models, {
+        "held": {"models": ["tiny-a"], "pinned": True},
+        "pair": {"models": ["tiny-b", "tiny-c"]}}, policy={"max_loaded": 2}))
+    wait_until(lambda: corral.model("tiny-a")["state"] == "ready")
+    resp = batch(corral, "pair", max_tokens=2)
+    assert resp.status_code == 503
+    assert "and 1 pinned (tiny-a) but max_loaded is 2" in resp.json()["error"]["message"]

@@ -226,3 +226,46 @@ def test_unload_drains_in_flight_unless_forced(start_corral, tiny_models):
     assert forced.json()["state"] == "stopped"
     worker.join()
     assert outcome[1].status_code == 502
+
+
+def test_embedded_default_serves_every_gguf_in_the_models_dir(tiny_models, tmp_path):
+    """`corral serve` with no config: each *.gguf in --models-dir, named after its file."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral.supervisor.cli", "serve", "--models-dir",
+         str(tiny_models["tiny-a"].parent), "--listen", f"127.0.0.1:{port}",
+         "--state-dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=15)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert {m.id for m in client.models.list()} == set(tiny_models)
+        reply = client.chat.completions.create(
+            model="tiny-b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert reply.model == "tiny-b" and reply.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_embeddings_are_relayed(start_corral, tiny_models):
+    config = tiny_config(tiny_models)
+    config["models"]["tiny-a"]["args"] = ["--embeddings", "--pooling", "mean"]
+    corral = start_corral(config)
+    result = corral.client().embeddings.create(model="tiny-a", input=["hello", "world"])
+    assert len(result.data) == 2
+    assert len(result.data[0].embedding) == 64  # n_embd of the tiny model
+    assert result.data[0].embedding != result.data[1].embedding
