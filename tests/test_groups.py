@@ -352,7 +352,7 @@ def test_a_member_refused_by_its_child_fails_fast(start_corral, tiny_models):
     assert resp.status_code == 502
     members = resp.json()["group"]["responses"]
     assert all("answered HTTP 400" in m["error"] for m in members)
-    assert all(m["latency_ms"] < 300 for m in members), members
+    assert all(m["latency_ms"] < 450 for m in members), members  # the old wait was 500
     assert all(corral.model(n)["state"] == "ready" for n in ("tiny-a", "tiny-b"))
 
 
