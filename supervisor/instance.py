@@ -204,6 +204,7 @@ class Instance:
 
     async def _watch_exit(self, process: ChildProcess) -> None:
         code = await process.wait()
+        process.sweep_group()  # helpers it forked die with it, while the group id is ours
         if self.process is process and self.state in (State.READY, State.DRAINING):
             tail = process.tail(5)
             detail = f": {tail[-1]}" if tail else ""

@@ -152,6 +152,7 @@ class ChildProcess:
                 await asyncio.wait({probe, exit_task}, return_when=asyncio.FIRST_COMPLETED)
                 if exit_task.done():
                     probe.cancel()
+                    self.sweep_group()
                     raise self._exited_error()
                 if probe.result():
                     return
@@ -172,18 +173,24 @@ class ChildProcess:
         """SIGTERM the group, wait up to `grace`, then SIGKILL the group. Returns the exit code."""
         if not self._proc:
             return None
-        if self._proc.returncode is None:
-            self._log.info("child.stopping", grace=grace)
-            self._signal_group(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self._proc.wait(), grace)
-            except TimeoutError:
-                self._log.warning("child.kill", reason="grace expired")
+        if self._proc.returncode is not None:
+            # Reaped earlier (and its group swept then): its pid may belong to someone else now.
+            return self._proc.returncode
+        self._log.info("child.stopping", grace=grace)
+        self._signal_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._proc.wait(), grace)
+        except TimeoutError:
+            self._log.warning("child.kill", reason="grace expired")
         # Always sweep the group: helpers the child forked must not outlive it.
         self._signal_group(signal.SIGKILL)
         code = await self.wait()
         self._log.info("child.stopped", returncode=code)
         return code
+
+    def sweep_group(self) -> None:
+        """SIGKILL whatever is left of the child's process group, right after it exited."""
+        self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self._proc
