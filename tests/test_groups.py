@@ -306,15 +306,18 @@ def test_group_larger_than_max_loaded_is_refused_clearly(start_corral, tiny_mode
 
 
 def test_group_members_are_not_evicted_for_each_other(start_corral, tiny_models):
-    corral = start_corral(grouped(tiny_models, {"pair": {"models": ["tiny-a", "tiny-b"]}},
+    # The cold member runs first, and the loaded member is the least recently used model:
+    # without holding members together, tiny-b's start would evict tiny-a, then tiny-a's
+    # restart would evict something else.
+    corral = start_corral(grouped(tiny_models, {"pair": {"models": ["tiny-b", "tiny-a"]}},
                                   policy={"max_loaded": 2}))
     corral.chat("tiny-a", max_tokens=1)
-    corral.chat("tiny-c", max_tokens=1)  # loaded: a, c; the group needs a and b
+    corral.chat("tiny-c", max_tokens=1)  # loaded: a (least recent), c; the group needs b and a
     result = batch(corral, "pair", max_tokens=4).json()
     assert result["complete"]
     states = {n: m["state"] for n, m in corral.models().items()}
     assert states["tiny-a"] == states["tiny-b"] == "ready" and states["tiny-c"] == "stopped"
-    assert corral.model("tiny-a")["starts"] == 1  # a was reserved, never evicted for b
+    assert corral.model("tiny-a")["starts"] == 1  # held for the group, never evicted for b
 
 
 def test_pinned_group_loads_at_start_and_is_exempt_from_ttl_and_lru(start_corral, tiny_models):
