@@ -17,7 +17,7 @@ from corral.proxy.errors import ApiError, UpstreamFailed, error_response, from_s
 from corral.proxy.forward import new_upstream_session, relay
 from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
 from corral.proxy.groups import GroupRunner
-from corral.proxy.routing import GroupTarget, exposed_groups, resolve
+from corral.proxy.routing import GroupTarget, exposed_groups, resolve, upstream_body
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
@@ -181,10 +181,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
                            "group_endpoint", param="model")
         return await chat_with_group(request, request.app[GROUPS], target.group, body)
     canonical = target.name
-    if canonical != name:
-        # An alias: the child knows the model by its canonical name (--alias).
-        body["model"] = canonical
-        raw = json.dumps(body).encode()
+    raw = upstream_body(raw, body, canonical)
     started = time.monotonic()
     lease = await daemon.acquire(canonical)
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
@@ -17,6 +19,14 @@ class ModelTarget:
 @dataclass(frozen=True)
 class GroupTarget:
     group: GroupSpec
+
+
+def upstream_body(raw: bytes, body: dict[str, Any], canonical: str) -> bytes:
+    """The body to send the child: the client's bytes untouched, unless the client named the
+    model by an alias, which becomes the model's name (servers like vLLM only know that)."""
+    if body.get("model") == canonical:
+        return raw
+    return json.dumps({**body, "model": canonical}).encode()
 
 
 def exposed_groups(daemon: Daemon) -> dict[str, GroupSpec]:
