@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,3 +92,55 @@ def corral(models: dict[str, dict], **config: object) -> Iterator[str]:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+NGINX_CONF = """
+daemon off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    upstream child {{ server 127.0.0.1:{upstream}; keepalive 32; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://child;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;   # stream SSE as it comes, like corral
+        }}
+    }}
+}}
+"""
+
+
+@contextmanager
+def nginx_proxy(upstream_url: str) -> Iterator[str | None]:
+    """nginx relaying to the same upstream, as a reference proxy; None when not installed."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                       else None)
+    if binary is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        upstream = upstream_url.rsplit(":", 1)[1]
+        conf = Path(tmp) / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(tmp=tmp, port=port, upstream=upstream))
+        proc = subprocess.Popen([binary, "-c", str(conf), "-p", tmp],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.02)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -1,4 +1,5 @@
-"""Latency corral adds in front of a llama-server, measured in one run.
+"""Latency corral adds in front of a llama-server, measured in one run, beside nginx as a
+reference reverse proxy when nginx is installed.
 
 The same tiny model runs twice: once as a bare llama-server, once as corral's child. The same
 requests (one generated token, so the server's own work is small and the proxy's share shows)
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from _harness import QUIET, bare_llama_server, corral, percentile, tiny_model
+from _harness import QUIET, bare_llama_server, corral, nginx_proxy, percentile, tiny_model
 
 BODY = {"model": "tiny", "max_tokens": 1, "temperature": 0,
         "messages": [{"role": "user", "content": "hi"}]}
@@ -32,16 +33,17 @@ async def one(session: aiohttp.ClientSession, url: str) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-async def latencies(direct: str, proxied: str, n: int) -> tuple[list[float], list[float]]:
-    d, p = [], []
+async def latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
+    """Interleaved: each round asks every path once, so drift hits all alike."""
+    out: dict[str, list[float]] = {name: [] for name in urls}
     async with aiohttp.ClientSession() as session:
-        for _ in range(50):  # warm both paths: connections, slots, prompt cache
-            await one(session, direct)
-            await one(session, proxied)
+        for _ in range(50):  # warm every path: connections, slots, prompt cache
+            for url in urls.values():
+                await one(session, url)
         for _ in range(n):
-            d.append(await one(session, direct))
-            p.append(await one(session, proxied))
-    return d, p
+            for name, url in urls.items():
+                out[name].append(await one(session, url))
+    return out
 
 
 async def throughput(url: str, n: int, concurrency: int) -> float:
@@ -65,21 +67,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
         parallel = args.concurrency
-        with bare_llama_server(model, parallel) as direct, \
+        with bare_llama_server(model, parallel) as direct, nginx_proxy(direct) as nginx, \
                 corral({"tiny": {"model": str(model), "ctx": 4096, "parallel": parallel,
                                  "args": QUIET}},
                        defaults={"max_queue": 1024}) as proxied:
-            d, p = asyncio.run(latencies(direct, proxied, args.requests))
-            rps_direct = asyncio.run(throughput(direct, args.requests, args.concurrency))
-            rps_proxied = asyncio.run(throughput(proxied, args.requests, args.concurrency))
-    print(f"requests: {args.requests} sequential each way, then {args.requests} at "
-          f"concurrency {args.concurrency}; tiny model, 1 token per request")
-    print(f"direct   p50 {percentile(d, 50):7.3f} ms   p99 {percentile(d, 99):7.3f} ms")
-    print(f"corral   p50 {percentile(p, 50):7.3f} ms   p99 {percentile(p, 99):7.3f} ms")
-    print(f"added    p50 {percentile(p, 50) - percentile(d, 50):7.3f} ms   "
-          f"p99 {percentile(p, 99) - percentile(d, 99):7.3f} ms")
-    print(f"req/s    direct {rps_direct:8.1f}   corral {rps_proxied:8.1f}   "
-          f"ratio {rps_proxied / rps_direct:.3f}")
+            urls = {"direct": direct, "corral": proxied}
+            if nginx:
+                urls["nginx"] = nginx
+            lat = asyncio.run(latencies(urls, args.requests))
+            rps = {name: asyncio.run(throughput(url, args.requests, args.concurrency))
+                   for name, url in urls.items()}
+    print(f"requests: {args.requests} sequential per path (interleaved), then {args.requests} "
+          f"at concurrency {args.concurrency}; tiny model, 1 token per request")
+    d = lat["direct"]
+    for name, values in lat.items():
+        p50, p99 = percentile(values, 50), percentile(values, 99)
+        added = "" if name == "direct" else (
+            f"   added p50 {p50 - percentile(d, 50):+7.3f} ms"
+            f"  p99 {p99 - percentile(d, 99):+7.3f} ms"
+            f"   req/s ratio {rps[name] / rps['direct']:.3f}")
+        print(f"{name:7s} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   {rps[name]:7.1f} req/s{added}")
+    if "nginx" not in lat:
+        print("nginx    not installed: `apt-get install nginx` adds it as a reference proxy")
 
 
 if __name__ == "__main__":
