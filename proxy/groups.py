@@ -110,6 +110,11 @@ class GroupOutcome:
                                "reason": self.selected.reason}
         if self.final is not None or self.group.type in ("fan_out", "consensus", "chain"):
             out["final"] = self.answer()
+        if self.group.type == "consensus" and self.final is not None:
+            out["synthesis"] = {
+                "model": self.group.synthesizer,
+                "reason": f"{self.group.synthesizer} wrote the final answer from the "
+                          f"{self.ok_count} member answers"}
         return out
 
 

@@ -158,6 +158,8 @@ def test_consensus_streams_the_synthesis_through_the_sdk(start_corral, smol_mode
     assert [m["status"] for m in details["responses"]] == ["ok", "ok"]
     assert all("Paris" in m["content"] for m in details["responses"])
     assert details["final"] == text
+    assert details["synthesis"] == {
+        "model": "smol-a", "reason": "smol-a wrote the final answer from the 2 member answers"}
 
 
 def test_exposed_parallel_group_answers_chat_completions(start_corral, tiny_models):
