@@ -145,7 +145,6 @@ class ModelSpec:
     max_queue: int
     queue_timeout: float
     stop_grace: float
-    discovered: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,10 +164,6 @@ class GroupSpec:
     synthesizer: str | None
     template: str | None
     expose_as_model: bool
-
-    def all_models(self) -> set[str]:
-        extra = {self.judge, self.synthesizer, *self.replace_with.values()}
-        return set(self.models) | {m for m in extra if m}
 
 
 @dataclass(frozen=True)
@@ -262,9 +257,9 @@ def resolve(
     # busy-wait): 3 tiny models on 2 cores went from 0.3 s alone to 46 s together. Split the
     # cores among the models that may be loaded at once unless told otherwise.
     auto_threads = d.threads or max(1, (os.cpu_count() or 1) // config.policy.max_loaded)
-    models: dict[str, ModelSpec] = {}
-    for name, m in config.models.items():
-        models[name] = ModelSpec(
+
+    def build(name: str, m: ModelConfig) -> ModelSpec:
+        return ModelSpec(
             name=name,
             backend=m.backend,
             model_path=_absolute(m.model, base_dir),
@@ -285,19 +280,12 @@ def resolve(
             stop_grace=d.stop_grace,
         )
 
+    models = {name: build(name, m) for name, m in config.models.items()}
     if config.models_dir:
+        # Every *.gguf not configured already is a model with all the defaults.
         for gguf in _discover(_absolute(config.models_dir, base_dir)):
-            name = gguf.stem
-            if name in models or any(s.model_path == gguf for s in models.values()):
-                continue
-            models[name] = ModelSpec(
-                name=name, backend="llama-server", model_path=gguf, aliases=(), ttl=d.ttl,
-                ctx=d.ctx, parallel=d.parallel, n_gpu_layers=d.n_gpu_layers,
-                threads=auto_threads, cache_type_k=None,
-                cache_type_v=None, args=(), env={}, binary=config.binary,
-                start_timeout=d.start_timeout, max_queue=d.max_queue,
-                queue_timeout=d.queue_timeout, stop_grace=d.stop_grace, discovered=True,
-            )
+            if gguf.stem not in models and all(s.model_path != gguf for s in models.values()):
+                models[gguf.stem] = build(gguf.stem, ModelConfig(model=str(gguf)))
 
     aliases: dict[str, str] = {}
     for name, spec in models.items():

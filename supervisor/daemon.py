@@ -24,25 +24,10 @@ from corral.supervisor.errors import (
     SupervisorError,
     UnknownModel,
 )
-from corral.supervisor.instance import LOADED_STATES, Instance, Lease, State
+from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
 from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
-
-
-class Changed:
-    """A broadcast 'something changed' that any number of tasks can await with a timeout."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def fire(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout)
 
 
 class Daemon:
@@ -210,15 +195,15 @@ class Daemon:
     @contextlib.contextmanager
     def reserve(self, names: Iterable[str]) -> Iterator[None]:
         """Hold models that will be acquired together (a group's members): while held they
-        count as queued, so neither TTL nor LRU stops one to make room for another."""
+        are busy, so neither TTL nor LRU stops one to make room for another."""
         held = [self.instance(n) for n in set(names)]
         for inst in held:
-            inst.queued += 1
+            inst.held += 1
         try:
             yield
         finally:
             for inst in held:
-                inst.queued -= 1
+                inst.held -= 1
             self._changed.fire()
 
     def check_capacity(self, names: Iterable[str], what: str) -> None:
@@ -283,7 +268,7 @@ class Daemon:
                 inst = self.instances[name]
                 log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
                 self._spawn_task(self._stop_quietly(inst, f"idle for {inst.spec.ttl:g}s (ttl)"))
-            wait = policy.next_expiry(self._views(), now)
+            wait = policy.next_expiry(views, now)
             await asyncio.sleep(min(max(wait or 1.0, 0.05), 1.0))
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:

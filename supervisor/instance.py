@@ -45,6 +45,21 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+class Changed:
+    """A broadcast 'something changed' that any number of tasks can await with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()  # re-armed for the next change
+
+    async def wait(self, timeout: float | None) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
 @dataclass
 class Lease:
     """The right to send one request to a ready instance; release exactly once."""
@@ -52,10 +67,6 @@ class Lease:
     instance: Instance
     base_url: str
     _released: bool = False
-
-    @property
-    def model(self) -> str:
-        return self.instance.name
 
     def release(self) -> None:
         if not self._released:
@@ -78,6 +89,7 @@ class Instance:
         self.process: ChildProcess | None = None
         self.in_flight = 0
         self.queued = 0  # requests inside acquire(): waiting for start, room or a slot
+        self.held = 0  # groups running with this model as a member (Daemon.reserve)
         self.last_used = time.monotonic()
         self.restarts = 0
         self.starts = 0
@@ -86,7 +98,7 @@ class Instance:
         self._slots = asyncio.Semaphore(spec.parallel)
         self._start_task: asyncio.Task[None] | None = None
         self._exit_task: asyncio.Task[None] | None = None
-        self._state_changed = asyncio.Event()
+        self._state_changed = Changed()
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(model=spec.name)
 
@@ -100,7 +112,7 @@ class Instance:
 
     @property
     def busy(self) -> bool:
-        return self.in_flight > 0 or self.queued > 0
+        return self.in_flight > 0 or self.queued > 0 or self.held > 0
 
     @property
     def slots_full(self) -> bool:
@@ -119,15 +131,11 @@ class Instance:
             self.last_error = error
         self._log.info("instance.state", old=str(old), new=str(new), pid=self.pid,
                        **({"error": error} if error else {}))
-        # Wake everyone waiting on this instance, then re-arm for the next change.
-        self._state_changed.set()
-        self._state_changed = asyncio.Event()
+        self._state_changed.fire()
         self._on_change()
 
-    async def wait_change(self, timeout: float | None = None) -> None:
-        event = self._state_changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+    async def wait_change(self, timeout: float) -> None:
+        await self._state_changed.wait(timeout)
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -151,13 +159,10 @@ class Instance:
 
     async def _start(self, session: aiohttp.ClientSession,
                      on_spawn: Callable[[Instance], None]) -> None:
-        # A free port can be taken by someone else before the child binds it: one retry.
-        for attempt in (1, 2):
-            process = await self._spawn_and_wait(session, on_spawn, last_try=attempt == 2)
-            if process is not None:
-                break
-        else:  # pragma: no cover - the second attempt returns or raises
-            raise AssertionError("unreachable")
+        process = await self._spawn_and_wait(session, on_spawn, last_try=False)
+        if process is None:  # someone took its port before the child bound it: once more
+            process = await self._spawn_and_wait(session, on_spawn, last_try=True)
+        assert process is not None  # the last try returns a child or raises
         self.last_error = None
         self._transition(State.READY)
         self._exit_task = asyncio.create_task(self._watch_exit(process), name=f"exit:{self.name}")
@@ -283,6 +288,7 @@ class Instance:
             "last_used": time.time() - idle if self.starts else None,
             "in_flight": self.in_flight,
             "queue": self.queued,
+            "held": self.held,
             "parallel": self.spec.parallel,
             "ttl": self.spec.ttl,
             "ttl_left": ttl_left,

@@ -88,7 +88,8 @@ def test_models_dir_discovers_gguf_files(tmp_path):
     (tmp_path / "m" / "notes.txt").write_text("")
     loaded = parse_config("models_dir: m\n", source=tmp_path / "c.yaml")
     assert list(loaded.models) == ["alpha"]
-    assert loaded.models["alpha"].discovered
+    assert loaded.models["alpha"].model_path == tmp_path / "m" / "alpha.gguf"
+    assert loaded.models["alpha"].ctx == 4096  # the defaults
 
 
 def test_corral_check_cli(tmp_path):
