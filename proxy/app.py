@@ -182,7 +182,6 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         return await chat_with_group(request, request.app[GROUPS], target.group, body)
     canonical = target.name
     raw = upstream_body(raw, body, canonical)
-    started = time.monotonic()
     lease = await daemon.acquire(canonical)
     try:
         return await relay(request, request.app[UPSTREAM], lease.base_url + request.path, raw,
@@ -196,8 +195,6 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         return error_response(502, message, kind="server_error", code="upstream_failed")
     finally:
         lease.release()
-        log.debug("proxy.request", model=canonical, path=request.path,
-                  ms=round((time.monotonic() - started) * 1000, 2))
 
 
 async def batch(request: web.Request) -> web.StreamResponse:

@@ -43,17 +43,23 @@ def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     return headers
 
 
+async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
+                        **request: Any) -> aiohttp.ClientResponse:
+    """POST to a child; a connection that fails before any answer becomes UpstreamFailed."""
+    try:
+        return await session.post(url, **request)
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
+
+
 async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
                 body: bytes, model: str) -> web.StreamResponse:
     """POST `body` to `url` and relay the answer. Raises UpstreamFailed before any byte of the
     answer was sent; after that, a broken child ends the stream with an SSE error event."""
-    try:
-        upstream = await session.post(url, data=body, headers={
-            "Content-Type": "application/json",
-            "Accept": request.headers.get("Accept", "*/*"),
-        })
-    except UPSTREAM_BROKE as exc:
-        raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
+    upstream = await open_upstream(session, url, model, data=body, headers={
+        "Content-Type": "application/json",
+        "Accept": request.headers.get("Accept", "*/*"),
+    })
     try:
         if upstream.content_type == "text/event-stream":
             response = await _relay_stream(request, upstream, model)
@@ -92,10 +98,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                     model: str) -> dict[str, Any]:
     """A whole (non-streamed) JSON answer from a child, for callers that need its content."""
-    try:
-        resp = await session.post(url, json=payload)
-    except UPSTREAM_BROKE as exc:
-        raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
+    resp = await open_upstream(session, url, model, json=payload)
     try:
         data = await resp.json(content_type=None)
     except BaseException as exc:

@@ -12,8 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.proxy.errors import ApiError
-from corral.proxy.forward import UPSTREAM_BROKE, sse_headers
+from corral.proxy.errors import ApiError, UpstreamFailed
+from corral.proxy.forward import UPSTREAM_BROKE, open_upstream, sse_headers
 from corral.proxy.groups import CHAT_PATH, GroupFailed, GroupOutcome, GroupRunner
 from corral.proxy.routing import group_by_name
 from corral.supervisor.config import GroupSpec
@@ -170,11 +170,14 @@ async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
     try:
         async with asyncio.timeout(group.member_timeout):  # until its first byte
             lease = await runner.daemon.acquire(group.synthesizer)
-            upstream = await runner.session.post(lease.base_url + CHAT_PATH, json=payload)
+            upstream = await open_upstream(runner.session, lease.base_url + CHAT_PATH,
+                                           group.synthesizer, json=payload)
     except BaseException as exc:
         if lease is not None:
+            if isinstance(exc, UpstreamFailed):
+                await lease.upstream_broke()
             lease.release()
-        if isinstance(exc, (TimeoutError, SupervisorError, *UPSTREAM_BROKE)):
+        if isinstance(exc, (TimeoutError, SupervisorError, UpstreamFailed)):
             raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
                               f"{exc or type(exc).__name__}", outcome) from exc
         raise

@@ -255,23 +255,20 @@ class GroupRunner:
         return list(await asyncio.gather(*(self.member(group, m, body) for m in group.models)))
 
     async def _first_ok(self, group: GroupSpec, body: dict[str, Any]) -> list[MemberResult]:
-        tasks = {asyncio.create_task(self.member(group, m, body)): i
-                 for i, m in enumerate(group.models)}
-        results: list[MemberResult | None] = [None] * len(tasks)
+        tasks = [asyncio.create_task(self.member(group, m, body)) for m in group.models]
+        pending = set(tasks)
         try:
-            for next_done in asyncio.as_completed(tasks):
-                result = await next_done
-                results[group.models.index(result.replaced or result.model)] = result
-                if result.ok:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.result().ok for t in done):
                     break
-        finally:
-            for task, i in tasks.items():
-                if not task.done():
-                    task.cancel()
-                    results[i] = MemberResult(group.models[i], "cancelled",
-                                              error="another member answered first")
+        finally:  # the first good answer is in, or our caller is gone: stop the rest
+            for task in pending:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return [r or MemberResult(group.models[i], "cancelled") for i, r in enumerate(results)]
+        return [MemberResult(model, "cancelled", error="another member answered first")
+                if task.cancelled() else task.result()
+                for task, model in zip(tasks, group.models, strict=True)]
 
     async def _chain(self, group: GroupSpec, body: dict[str, Any],
                      template: str | None) -> list[MemberResult]:
