@@ -113,6 +113,13 @@ def _generation_cancelled(corral, model: str) -> int | None:
     return int(done[-1].split("n_tokens =")[1].split(",")[0]) if done else None
 
 
+def _assert_stopped_early(corral, model: str, asked: int) -> None:
+    """The child cancelled well before making all `asked` tokens, and the lease came back."""
+    made = wait_until(lambda: _generation_cancelled(corral, model), timeout=4)
+    assert made < asked * 2 // 3, (made, asked)
+    wait_until(lambda: corral.model(model)["in_flight"] == 0, timeout=3)
+
+
 def test_client_disconnect_cancels_generation(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
@@ -124,10 +131,7 @@ def test_client_disconnect_cancels_generation(start_corral, tiny_models):
         for _ in range(20):
             next(lines)
         assert corral.model("tiny-a")["in_flight"] == 1
-    # Hung up after ~10 of 6000 tokens: the child must stop long before making them all.
-    made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
-    assert made < 3000
-    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 0, timeout=3)
+    _assert_stopped_early(corral, "tiny-a", asked=6000)  # hung up after ~10 tokens
 
 
 def test_non_stream_disconnect_cancels_generation(start_corral, tiny_models):
@@ -137,9 +141,7 @@ def test_non_stream_disconnect_cancels_generation(start_corral, tiny_models):
         corral.client(timeout=0.5).chat.completions.create(
             model="tiny-a", messages=[{"role": "user", "content": "go"}], max_tokens=6000,
             extra_body={"ignore_eos": True})
-    made = wait_until(lambda: _generation_cancelled(corral, "tiny-a"), timeout=4)
-    assert made < 4000
-    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 0, timeout=3)
+    _assert_stopped_early(corral, "tiny-a", asked=6000)  # hung up after 0.5 s
 
 
 def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
