@@ -44,6 +44,10 @@ class UpstreamRejected(UpstreamFailed):
     """The child answered, with an HTTP error: it is alive, the request was refused."""
 
 
+class UpstreamTimeout(UpstreamFailed):
+    """The child sent nothing within first_byte_timeout, or went silent past idle_timeout."""
+
+
 def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:
     """An error delivered inside an already-started SSE stream (the status line is gone).
     The OpenAI SDKs raise APIError on an event carrying an `error` object."""

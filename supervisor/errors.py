@@ -48,6 +48,17 @@ class ShuttingDown(SupervisorError):
     retry_after = 5.0
 
 
+class StartBackoff(SupervisorError):
+    """The model's last start failed; corral waits (exponentially longer) before the next."""
+
+    status = 503
+    code = "model_start_backoff"
+
+    def __init__(self, message: str, retry_after: float):
+        self.retry_after = max(retry_after, 0.001)
+        super().__init__(message)
+
+
 class StartFailed(SupervisorError):
     """The child could not be started or exited before it was ready."""
 
