@@ -19,6 +19,7 @@ from corral.proxy.routing import group_by_name
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
+from corral.supervisor.templates import template_problem
 
 
 def check_messages(body: dict[str, Any]) -> None:
@@ -26,6 +27,17 @@ def check_messages(body: dict[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of chat messages",
                        "invalid_messages", param="messages")
+
+
+def check_template(body: dict[str, Any]) -> None:
+    """A request's chain template is checked before any model starts, not mid-chain."""
+    template = body.get("template")
+    if template is not None and not isinstance(template, str):
+        raise ApiError(400, "'template' must be a string using {previous} and {input}",
+                       "invalid_template", param="template")
+    problem = template_problem(template) if template else None
+    if problem:
+        raise ApiError(400, f"bad template: {problem}", "invalid_template", param="template")
 
 
 def failed_response(exc: GroupFailed) -> web.Response:
@@ -55,17 +67,11 @@ async def chain_execute(request: web.Request, runner: GroupRunner,
             group = _as_chain(group)
     else:
         group = _ad_hoc_chain(runner.daemon, body.get("models"))
-    template = body.get("template")
-    if template is not None and not isinstance(template, str):
-        raise ApiError(400, "'template' must be a string using {previous} and {input}",
-                       "invalid_template", param="template")
+    check_template(body)
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
         return failed_response(exc)
-    except (KeyError, IndexError, ValueError) as exc:  # a template naming an unknown field
-        raise ApiError(400, f"bad template: {exc!r}; use {{previous}} and {{input}}",
-                       "invalid_template", param="template") from exc
     result = outcome.as_dict()
     result["steps"] = result.pop("responses")
     return web.json_response(result)
@@ -122,6 +128,8 @@ class _Completion:
 async def chat_with_group(request: web.Request, runner: GroupRunner, group: GroupSpec,
                           body: dict[str, Any]) -> web.StreamResponse:
     check_messages(body)
+    if group.type == "chain":
+        check_template(body)  # an exposed chain takes a request's template too
     completion = _Completion(group)
     if not body.get("stream"):
         try:

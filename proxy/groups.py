@@ -22,6 +22,7 @@ from corral.proxy.forward import post_json
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
+from corral.supervisor.templates import render_template
 
 log = structlog.get_logger("corral.groups")
 
@@ -278,8 +279,9 @@ class GroupRunner:
         steps: list[MemberResult] = []
         previous: str | None = None
         for model in group.models:
-            text = original if previous is None else shape.format(previous=previous,
-                                                                  input=original)
+            # Not str.format: client text must not reach format specs or attributes.
+            text = original if previous is None else render_template(
+                shape, previous=previous, input=original)
             step_body = {**body, "messages": with_user_text(messages, text)}
             step = replace(await self.member(group, model, step_body), input=text)
             steps.append(step)

@@ -18,6 +18,8 @@ from corral.supervisor import logs
 from corral.supervisor.config import (
     ConfigError,
     LoadedConfig,
+    admin_exposure_problem,
+    admin_is_exposed,
     default_config,
     load_config,
     split_listen,
@@ -68,6 +70,12 @@ def _check(files: list[Path]) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
             continue
+        # serve would refuse this listen address; `serve --listen` may still override it.
+        exposure = admin_exposure_problem(loaded.config, loaded.config.listen)
+        if exposure:
+            failed = True
+            print(f"error: {loaded.issue(('listen',), exposure)}", file=sys.stderr)
+            continue
         print(f"{path}: ok ({len(loaded.models)} models)")
     return 1 if failed else 0
 
@@ -112,6 +120,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: --listen: {exc}", file=sys.stderr)
         return 2
+    exposure = admin_exposure_problem(loaded.config, listen)
+    if exposure:
+        print(f"error: {exposure}", file=sys.stderr)
+        return 2
+    if admin_is_exposed(loaded.config, listen):
+        log.warning("corral.admin_open", listen=listen,
+                    warning="/admin (load, unload, logs) is open to anyone who can reach this "
+                            "address: admin_open is true and no admin_api_keys or api_keys are set")
     state_dir = args.state_dir or (Path(loaded.config.state_dir) if loaded.config.state_dir
                                    else default_state_dir())
     state_file = state_dir / f"children-{port}.json"

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# ConfigIssue and ConfigError live with the YAML handling; importers keep using this module.
+from corral.supervisor.config_yaml import (
+    ConfigError,
+    ConfigIssue,
+    Lines,
+    Loc,
+    dotted,
+    issue_at,
+    line_for,
+    read_yaml,
+)
+from corral.supervisor.discovery import discover
+from corral.supervisor.templates import template_problem
+
+__all__ = [
+    "Config", "ConfigError", "ConfigIssue", "Defaults", "GroupConfig", "GroupSpec",
+    "LoadedConfig", "ModelConfig", "ModelSpec", "PolicyConfig", "admin_exposure_problem",
+    "admin_is_exposed", "default_config", "load_config", "parse_config", "resolve",
+    "split_listen",
+]
 
 KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 BackendKind = Literal["llama-server"]
-
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+T = TypeVar("T")
 
 
 class _Strict(BaseModel):
@@ -33,6 +53,16 @@ class Defaults(_Strict):
     max_queue: int = Field(64, ge=0, description="requests waiting per model before 429")
     queue_timeout: float = Field(300, gt=0, description="seconds a request waits for a slot")
     stop_grace: float = Field(10, ge=0, description="seconds between SIGTERM and SIGKILL")
+    first_byte_timeout: float = Field(
+        600, gt=0, description="seconds until the child's first response byte (CPU prefill)")
+    idle_timeout: float = Field(120, gt=0, description="longest silence between stream chunks")
+    health_interval: float = Field(5, gt=0, description="seconds between /health probes")
+    health_timeout: float = Field(3, gt=0, description="timeout of one /health probe")
+    health_failures: int = Field(
+        3, ge=1, description="consecutive failed probes before the child is killed")
+    start_backoff: float = Field(
+        1, ge=0, description="back-off after a failed start, doubling per consecutive failure")
+    start_backoff_max: float = Field(60, ge=0, description="cap of that back-off")
 
 
 class PolicyConfig(_Strict):
@@ -46,6 +76,15 @@ class PolicyConfig(_Strict):
 _REMOVED_FLAGS = {
     "--mlock": "--load-mode mlock (or mmap+mlock)",
     "--no-mmap": "--load-mode none",
+}
+# Flags corral sets itself: a child listens on 127.0.0.1 at a port corral picks (the proxy and
+# the pid file rely on both), and corral gives every child an API key of its own so no other
+# local user can talk to its port. A user's value would break or weaken that.
+_OWNED_FLAGS = {
+    "--host": "corral binds every child to 127.0.0.1 itself",
+    "--port": "corral gives every child a free port of its own",
+    "--api-key": "corral gives every child an API key of its own",
+    "--api-key-file": "corral gives every child an API key of its own",
 }
 
 
@@ -64,13 +103,32 @@ class ModelConfig(_Strict):
     env: dict[str, str] = {}
     binary: str | None = None
     start_timeout: float | None = Field(None, gt=0)
+    max_queue: int | None = Field(None, ge=0)
+    queue_timeout: float | None = Field(None, gt=0)
+    stop_grace: float | None = Field(None, ge=0)
+    first_byte_timeout: float | None = Field(None, gt=0)
+    idle_timeout: float | None = Field(None, gt=0)
+    health_interval: float | None = Field(None, gt=0)
+    health_timeout: float | None = Field(None, gt=0)
+    health_failures: int | None = Field(None, ge=1)
+    start_backoff: float | None = Field(None, ge=0)
+    start_backoff_max: float | None = Field(None, ge=0)
+    embeddings: bool = False
+    mmproj: str | None = Field(None, description="multimodal projector; relative like model")
 
     @field_validator("args")
     @classmethod
-    def _no_removed_flags(cls, args: list[str]) -> list[str]:
+    def _check_args(cls, args: list[str]) -> list[str]:
+        problems = []
         for arg in args:
-            if arg in _REMOVED_FLAGS:
-                raise ValueError(f"llama-server no longer has {arg}; use {_REMOVED_FLAGS[arg]}")
+            # `--port=8081` is the same flag as `--port 8081`.
+            flag = arg.split("=", 1)[0] if arg.startswith("--") else arg
+            if flag in _REMOVED_FLAGS:
+                problems.append(f"llama-server no longer has {flag}; use {_REMOVED_FLAGS[flag]}")
+            elif flag in _OWNED_FLAGS:
+                problems.append(f"{flag} is not allowed in args: {_OWNED_FLAGS[flag]}")
+        if problems:
+            raise ValueError("; ".join(problems))
         return args
 
 
@@ -100,6 +158,8 @@ class Config(_Strict):
     models_dir: str | None = None
     api_keys: list[str] = []
     admin_api_keys: list[str] = []
+    admin_open: bool = Field(
+        False, description="allow /admin without keys on a non-loopback listen address")
     max_body_mb: float = Field(32, gt=0)
     shutdown_grace: float = Field(30, ge=0)
     state_dir: str | None = None
@@ -121,6 +181,9 @@ def split_listen(listen: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
+
+
+_DEFAULTS = Defaults()
 
 
 @dataclass(frozen=True)
@@ -145,6 +208,16 @@ class ModelSpec:
     max_queue: int
     queue_timeout: float
     stop_grace: float
+    # Defaulted so a spec can be built by hand (tests) without restating every knob.
+    first_byte_timeout: float = _DEFAULTS.first_byte_timeout
+    idle_timeout: float = _DEFAULTS.idle_timeout
+    health_interval: float = _DEFAULTS.health_interval
+    health_timeout: float = _DEFAULTS.health_timeout
+    health_failures: int = _DEFAULTS.health_failures
+    start_backoff: float = _DEFAULTS.start_backoff
+    start_backoff_max: float = _DEFAULTS.start_backoff_max
+    embeddings: bool = False
+    mmproj: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -167,24 +240,6 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
-class ConfigIssue:
-    file: str
-    line: int | None
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{where}: {self.key or '<top>'}: {self.message}"
-
-
-class ConfigError(Exception):
-    def __init__(self, issues: list[ConfigIssue]):
-        self.issues = issues
-        super().__init__("\n".join(str(i) for i in issues))
-
-
-@dataclass(frozen=True)
 class LoadedConfig:
     """The validated file plus the resolved model table the daemon runs."""
 
@@ -193,6 +248,12 @@ class LoadedConfig:
     source: Path | None
     aliases: dict[str, str] = field(default_factory=dict)
     groups: dict[str, GroupSpec] = field(default_factory=dict)
+    # Line of every key in the file, for checks made after loading (`corral check`'s listen).
+    lines: Lines = field(default_factory=dict)
+
+    def issue(self, loc: Loc, message: str) -> ConfigIssue:
+        return issue_at(str(self.source) if self.source else "<config>", self.lines, loc,
+                        message)
 
 
 def load_config(path: Path | str) -> LoadedConfig:
@@ -207,34 +268,13 @@ def load_config(path: Path | str) -> LoadedConfig:
 
 def parse_config(text: str, source: Path | None = None) -> LoadedConfig:
     filename = str(source) if source else "<config>"
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([ConfigIssue(filename, line, "", f"invalid YAML: {problem}")]) from exc
-    lines: dict[tuple[str | int, ...], int] = {}
-    if root is not None:
-        _collect_lines(root, (), lines)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError([ConfigIssue(filename, 1, "", "the top level must be a mapping")])
-
-    issues: list[ConfigIssue] = []
-    data = _expand_env(data, (), lines, filename, issues)
-    if issues:
-        raise ConfigError(issues)
+    data, lines = read_yaml(text, filename)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        for err in exc.errors():
-            loc = tuple(err["loc"])
-            issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc), err["msg"]))
+        issues = [issue_at(filename, lines, tuple(err["loc"]), err["msg"])
+                  for err in exc.errors()]
         raise ConfigError(issues) from exc
-
     base_dir = source.parent.resolve() if source else Path.cwd()
     return resolve(config, base_dir, source, lines)
 
@@ -244,12 +284,11 @@ def default_config(models_dir: Path) -> LoadedConfig:
     return resolve(Config(models_dir=str(models_dir)), Path.cwd(), None, {})
 
 
-def resolve(
-    config: Config,
-    base_dir: Path,
-    source: Path | None,
-    lines: dict[tuple[str | int, ...], int],
-) -> LoadedConfig:
+def _inherit(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines) -> LoadedConfig:
     filename = str(source) if source else "<config>"
     issues: list[ConfigIssue] = []
     d = config.defaults
@@ -264,55 +303,67 @@ def resolve(
             backend=m.backend,
             model_path=_absolute(m.model, base_dir),
             aliases=tuple(m.aliases),
-            ttl=d.ttl if m.ttl is None else m.ttl,
-            ctx=d.ctx if m.ctx is None else m.ctx,
-            parallel=d.parallel if m.parallel is None else m.parallel,
-            n_gpu_layers=d.n_gpu_layers if m.n_gpu_layers is None else m.n_gpu_layers,
+            ttl=_inherit(m.ttl, d.ttl),
+            ctx=_inherit(m.ctx, d.ctx),
+            parallel=_inherit(m.parallel, d.parallel),
+            n_gpu_layers=_inherit(m.n_gpu_layers, d.n_gpu_layers),
             threads=m.threads or auto_threads,
             cache_type_k=m.cache_type_k,
             cache_type_v=m.cache_type_v,
             args=tuple(m.args),
             env=dict(m.env),
             binary=m.binary or config.binary,
-            start_timeout=d.start_timeout if m.start_timeout is None else m.start_timeout,
-            max_queue=d.max_queue,
-            queue_timeout=d.queue_timeout,
-            stop_grace=d.stop_grace,
+            start_timeout=_inherit(m.start_timeout, d.start_timeout),
+            max_queue=_inherit(m.max_queue, d.max_queue),
+            queue_timeout=_inherit(m.queue_timeout, d.queue_timeout),
+            stop_grace=_inherit(m.stop_grace, d.stop_grace),
+            first_byte_timeout=_inherit(m.first_byte_timeout, d.first_byte_timeout),
+            idle_timeout=_inherit(m.idle_timeout, d.idle_timeout),
+            health_interval=_inherit(m.health_interval, d.health_interval),
+            health_timeout=_inherit(m.health_timeout, d.health_timeout),
+            health_failures=_inherit(m.health_failures, d.health_failures),
+            start_backoff=_inherit(m.start_backoff, d.start_backoff),
+            start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
+            embeddings=m.embeddings,
+            mmproj=_absolute(m.mmproj, base_dir) if m.mmproj else None,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}
     if config.models_dir:
-        # Every *.gguf not configured already is a model with all the defaults.
-        for gguf in _discover(_absolute(config.models_dir, base_dir)):
-            if gguf.stem not in models and all(s.model_path != gguf for s in models.values()):
-                models[gguf.stem] = build(gguf.stem, ModelConfig(model=str(gguf)))
+        # Every model file not configured already is a model with all the defaults.
+        for found in discover(_absolute(config.models_dir, base_dir)):
+            if found.name in models or any(s.model_path == found.path for s in models.values()):
+                continue
+            models[found.name] = build(found.name, ModelConfig(
+                model=str(found.path), mmproj=str(found.mmproj) if found.mmproj else None))
 
     aliases: dict[str, str] = {}
     for name, spec in models.items():
         for i, alias in enumerate(spec.aliases):
-            loc: tuple[str | int, ...] = ("models", name, "aliases", i)
+            loc: Loc = ("models", name, "aliases", i)
             if alias in models:
-                issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc),
-                                          f"alias {alias!r} is already a model name"))
+                issues.append(issue_at(filename, lines, loc,
+                                       f"alias {alias!r} is already a model name"))
             elif alias in aliases:
-                issues.append(ConfigIssue(filename, _line_for(loc, lines), _dotted(loc),
-                                          f"alias {alias!r} is already used by {aliases[alias]!r}"))
+                issues.append(issue_at(filename, lines, loc,
+                                       f"alias {alias!r} is already used by {aliases[alias]!r}"))
             else:
                 aliases[alias] = name
     groups = _resolve_groups(config, models, aliases, issues,
-                             lambda loc: _line_for(loc, lines), filename)
+                             lambda loc: line_for(loc, lines), filename)
     if issues:
         raise ConfigError(issues)
     return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
-                        groups=groups)
+                        groups=groups, lines=lines)
 
 
 def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[str, str],
-                    issues: list[ConfigIssue], line: Any, filename: str) -> dict[str, GroupSpec]:
-    def problem(loc: tuple[str | int, ...], message: str) -> None:
-        issues.append(ConfigIssue(filename, line(loc), _dotted(loc), message))
+                    issues: list[ConfigIssue], line: Callable[[Loc], int | None],
+                    filename: str) -> dict[str, GroupSpec]:
+    def problem(loc: Loc, message: str) -> None:
+        issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
 
-    def canonical(name: str, loc: tuple[str | int, ...]) -> str | None:
+    def canonical(name: str, loc: Loc) -> str | None:
         found = name if name in models else aliases.get(name)
         if found is None:
             problem(loc, f"unknown model {name!r}; models: {', '.join(sorted(models)) or 'none'}")
@@ -321,7 +372,7 @@ def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[
     groups: dict[str, GroupSpec] = {}
     pinned: set[str] = set()
     for name, g in config.groups.items():
-        at: tuple[str | int, ...] = ("groups", name)
+        at: Loc = ("groups", name)
         if name in models or name in aliases:
             problem(at, f"group name {name!r} is already a model name or alias")
         members: list[str] = []
@@ -356,6 +407,9 @@ def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[
                     f"{required} exceeds the group's {len(g.models)} members")
         if g.template is not None and g.type != "chain":
             problem((*at, "template"), "template applies to chain groups only")
+        template_issue = template_problem(g.template) if g.template is not None else None
+        if template_issue:
+            problem((*at, "template"), template_issue)
         if g.pinned:
             pinned.update(members)
         groups[name] = GroupSpec(
@@ -370,65 +424,33 @@ def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[
     return groups
 
 
-def _discover(models_dir: Path) -> list[Path]:
-    if not models_dir.is_dir():
-        return []
-    return sorted(p.resolve() for p in models_dir.glob("*.gguf") if p.is_file())
+def admin_is_exposed(config: Config, listen: str) -> bool:
+    """Whether /admin answers without a key to anyone who can reach `listen`."""
+    # Admin falls back to the API keys, and is open when there are neither (proxy/app.py).
+    return not (config.admin_api_keys or config.api_keys) and not _is_loopback(listen)
+
+
+def admin_exposure_problem(config: Config, listen: str) -> str | None:
+    """Why corral must not serve `config` on `listen`, or None. Open admin endpoints (load,
+    unload, logs) on a network address are an accident far more often than a choice, so the
+    choice has to be spelled out as `admin_open: true`."""
+    if not admin_is_exposed(config, listen) or config.admin_open:
+        return None
+    return (f"listening on {listen} (not loopback) with no api_keys or admin_api_keys would "
+            "leave /admin (load, unload, logs) open to the network; set admin_api_keys "
+            "(or api_keys), listen on 127.0.0.1, or set admin_open: true to allow it")
+
+
+def _is_loopback(listen: str) -> bool:
+    host, _ = split_listen(listen)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to anything: treat it as the network
 
 
 def _absolute(path: str, base_dir: Path) -> Path:
     p = Path(os.path.expanduser(path))
     return p if p.is_absolute() else (base_dir / p).resolve()
-
-
-def _collect_lines(node: yaml.Node, path: tuple[str | int, ...],
-                   out: dict[tuple[str | int, ...], int]) -> None:
-    out.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = (*path, str(key_node.value))
-            out[key] = key_node.start_mark.line + 1
-            _collect_lines(value_node, key, out)
-            out[key] = key_node.start_mark.line + 1
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _collect_lines(item, (*path, i), out)
-
-
-def _line_for(loc: tuple[Any, ...], lines: dict[tuple[str | int, ...], int]) -> int | None:
-    for cut in range(len(loc), -1, -1):
-        hit = lines.get(tuple(loc[:cut]))
-        if hit is not None:
-            return hit
-    return None
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _expand_env(value: Any, path: tuple[str | int, ...], lines: dict[tuple[str | int, ...], int],
-                filename: str, issues: list[ConfigIssue]) -> Any:
-    """Expand ${VAR} and ${VAR:-default} in string values."""
-    if isinstance(value, dict):
-        return {k: _expand_env(v, (*path, str(k)), lines, filename, issues)
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand_env(v, (*path, i), lines, filename, issues) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def substitute(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
-        if name in os.environ:
-            return os.environ[name]
-        if default is not None:
-            return default
-        issues.append(ConfigIssue(filename, _line_for(path, lines), _dotted(path),
-                                  f"environment variable {name} is not set"))
-        return ""
-
-    return _ENV_REF.sub(substitute, value)

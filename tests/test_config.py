@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from corral.supervisor.config import ConfigError, load_config, parse_config
+
+from conftest import free_port
 
 GOOD = """\
 listen: 127.0.0.1:9000
@@ -189,3 +193,245 @@ def test_removed_llama_server_flags_are_refused_with_the_replacement(tmp_path):
                      tmp_path)
     assert any(":11: models.smol.args: Value error, llama-server no longer has --mlock; use "
                "--load-mode mlock" in i for i in issues)
+
+
+# -- per-model knobs ------------------------------------------------------------------------
+
+KNOBS = """\
+defaults:
+  max_queue: 5
+  queue_timeout: 30
+  stop_grace: 2
+  first_byte_timeout: 900
+  health_failures: 5
+  start_backoff: 0.5
+models:
+  plain: {model: p.gguf}
+  tuned:
+    model: t.gguf
+    max_queue: 0
+    queue_timeout: 7.5
+    stop_grace: 0
+    first_byte_timeout: 1200
+    idle_timeout: 45
+    health_interval: 1
+    health_timeout: 0.5
+    health_failures: 1
+    start_backoff: 0
+    start_backoff_max: 10
+"""
+
+
+def test_queue_and_stop_knobs_are_per_model_with_defaults_from_defaults():
+    models = parse_config(KNOBS).models
+    plain, tuned = models["plain"], models["tuned"]
+    assert (plain.max_queue, plain.queue_timeout, plain.stop_grace) == (5, 30, 2)
+    assert (tuned.max_queue, tuned.queue_timeout, tuned.stop_grace) == (0, 7.5, 0)
+
+
+def test_reliability_knobs_default_and_override():
+    models = parse_config(KNOBS).models
+    plain, tuned = models["plain"], models["tuned"]
+    knobs = ("first_byte_timeout", "idle_timeout", "health_interval", "health_timeout",
+             "health_failures", "start_backoff", "start_backoff_max")
+    # `defaults:` sets some; the rest keep the built-in defaults.
+    assert [getattr(plain, k) for k in knobs] == [900, 120, 5, 3, 5, 0.5, 60]
+    assert [getattr(tuned, k) for k in knobs] == [1200, 45, 1, 0.5, 1, 0, 10]
+    assert isinstance(plain.health_failures, int)
+    bare = parse_config("models: {m: {model: m.gguf}}\n").models["m"]
+    assert [getattr(bare, k) for k in knobs] == [600, 120, 5, 3, 3, 1, 60]
+
+
+def test_reliability_knobs_are_validated_with_line_and_key(tmp_path):
+    text = (KNOBS.replace("first_byte_timeout: 900", "first_byte_timeout: 0")
+            .replace("health_failures: 1", "health_failures: 0")
+            .replace("start_backoff_max: 10", "start_backoff_max: -1")
+            .replace("idle_timeout: 45", "idle_timeout: soon"))
+    issues = _issues(text, tmp_path)
+    where = tmp_path / "corral.yaml"
+    assert any(i.startswith(f"{where}:5: defaults.first_byte_timeout: ") and "greater than 0"
+               in i for i in issues)
+    assert any(i.startswith(f"{where}:16: models.tuned.idle_timeout: ") for i in issues)
+    assert any(i.startswith(f"{where}:19: models.tuned.health_failures: ") and
+               "greater than or equal to 1" in i for i in issues)
+    assert any(i.startswith(f"{where}:21: models.tuned.start_backoff_max: ") for i in issues)
+    assert len(issues) == 4
+
+
+def _argv(spec) -> list[str]:
+    from corral.supervisor.backends.llama_server import LlamaServer
+
+    return LlamaServer().argv(spec, 12345)
+
+
+def test_embeddings_and_mmproj_reach_the_spec_and_the_argv(tmp_path):
+    text = (f"binary: {sys.executable}\nmodels:\n"
+            "  emb: {model: e.gguf, embeddings: true}\n"
+            "  vis: {model: v.gguf, mmproj: proj/mmproj-v.gguf}\n")
+    models = parse_config(text, source=tmp_path / "c.yaml").models
+    emb, vis = models["emb"], models["vis"]
+    assert (emb.embeddings, emb.mmproj) == (True, None)
+    assert (vis.embeddings, vis.mmproj) == (False, tmp_path / "proj" / "mmproj-v.gguf")
+    assert "--embeddings" in _argv(emb) and "--mmproj" not in _argv(emb)
+    argv = _argv(vis)
+    assert "--embeddings" not in argv
+    assert argv[argv.index("--mmproj") + 1] == str(tmp_path / "proj" / "mmproj-v.gguf")
+
+
+@pytest.mark.parametrize("arg", ["--host", "--port", "--port=123", "--api-key",
+                                 "--api-key-file", "--api-key=secret"])
+def test_args_may_not_set_what_corral_sets(tmp_path, arg):
+    issues = _issues(GOOD.replace('args: ["--flash-attn", "auto"]', f'args: ["{arg}", "x"]'),
+                     tmp_path)
+    flag = arg.split("=")[0]
+    assert len(issues) == 1
+    assert f":11: models.smol.args: Value error, {flag} is not allowed in args: corral" \
+        in issues[0]
+
+
+def test_args_that_only_look_alike_pass():
+    loaded = parse_config("models:\n  m:\n    model: m.gguf\n"
+                          "    args: [--hostname-ish, --api-key-prefix, '--port-range']\n")
+    assert loaded.models["m"].args == ("--hostname-ish", "--api-key-prefix", "--port-range")
+
+
+# -- discovery ------------------------------------------------------------------------------
+
+def _discovered(tmp_path: Path, *files: str, config: str = "") -> dict[str, tuple[str, str]]:
+    """Discovered models as {name: (model file, projector file or '')}."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_bytes(b"")  # discovery goes by names; nothing reads the files
+    models = parse_config("models_dir: m\n" + config, source=tmp_path / "c.yaml").models
+    return {name: (spec.model_path.name, spec.mmproj.name if spec.mmproj else "")
+            for name, spec in models.items()}
+
+
+def test_split_gguf_is_one_model_at_its_first_shard(tmp_path):
+    found = _discovered(tmp_path, "big-Q4_K_M-00001-of-00003.gguf",
+                        "big-Q4_K_M-00002-of-00003.gguf", "big-Q4_K_M-00003-of-00003.gguf",
+                        "orphan-00002-of-00002.gguf", "small.gguf")
+    # The later shards are never models; a split model without its first shard is skipped.
+    assert found == {"big-Q4_K_M": ("big-Q4_K_M-00001-of-00003.gguf", ""),
+                     "small": ("small.gguf", "")}
+
+
+def test_configured_first_shard_is_not_discovered_again(tmp_path):
+    found = _discovered(tmp_path, "big-00001-of-00002.gguf", "big-00002-of-00002.gguf",
+                        config="models:\n  mine: {model: m/big-00001-of-00002.gguf}\n")
+    assert found == {"mine": ("big-00001-of-00002.gguf", "")}
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    # mmproj first or last, with or without a precision tag; every quantisation of the model
+    (["mmproj-foo.gguf", "foo.gguf"], {"foo": "mmproj-foo.gguf"}),
+    (["foo-mmproj-f16.gguf", "foo-Q4_K_M.gguf", "foo-Q8_0.gguf", "bar.gguf"],
+     {"foo-Q4_K_M": "foo-mmproj-f16.gguf", "foo-Q8_0": "foo-mmproj-f16.gguf", "bar": ""}),
+    (["mmproj-Foo-BF16.gguf", "foo-IQ4_XS.gguf"], {"foo-IQ4_XS": "mmproj-Foo-BF16.gguf"}),
+    # a nameless projector belongs to a folder of one model (in any quantisation)...
+    (["mmproj-F16.gguf", "gem-Q4_K_M.gguf", "gem-Q8_0.gguf"],
+     {"gem-Q4_K_M": "mmproj-F16.gguf", "gem-Q8_0": "mmproj-F16.gguf"}),
+    # ...and to nobody in a folder of several
+    (["mmproj-F16.gguf", "gem.gguf", "other.gguf"], {"gem": "", "other": ""}),
+    # two projectors for one model: ambiguous, so none
+    (["mmproj-foo-f16.gguf", "mmproj-foo-f32.gguf", "foo.gguf"], {"foo": ""}),
+    # a projector whose model is not there is just ignored
+    (["mmproj-ghost.gguf", "foo.gguf"], {"foo": ""}),
+    # a split model gets its projector too
+    (["vis-00001-of-00002.gguf", "vis-00002-of-00002.gguf", "vis-mmproj.gguf"],
+     {"vis": "vis-mmproj.gguf"}),
+])
+def test_projectors_are_never_models_and_attach_when_unambiguous(tmp_path, files, expected):
+    found = _discovered(tmp_path, *files)
+    assert {name: proj for name, (_, proj) in found.items()} == expected
+
+
+# -- admin exposure -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("listen", "exposed"), [
+    ("127.0.0.1:8080", False), ("127.3.4.5:8080", False), ("localhost:8080", False),
+    ("[::1]:8080", False), ("0.0.0.0:8080", True), ("[::]:8080", True),
+    ("192.168.1.10:8080", True), ("myhost.lan:8080", True)])
+def test_admin_exposure_problem_on_open_admin(listen, exposed):
+    from corral.supervisor.config import admin_exposure_problem, admin_is_exposed
+
+    config = parse_config("").config
+    problem = admin_exposure_problem(config, listen)
+    assert (problem is not None) == exposed == admin_is_exposed(config, listen)
+    if problem:
+        assert listen in problem and "admin_open" in problem and "admin_api_keys" in problem
+
+
+def test_admin_exposure_is_fine_with_keys_or_admin_open():
+    from corral.supervisor.config import admin_exposure_problem, admin_is_exposed
+
+    for text in ("api_keys: [k]\n", "admin_api_keys: [k]\n"):
+        config = parse_config(text).config
+        assert admin_exposure_problem(config, "0.0.0.0:8080") is None
+        assert not admin_is_exposed(config, "0.0.0.0:8080")
+    config = parse_config("admin_open: true\n").config
+    assert admin_exposure_problem(config, "0.0.0.0:8080") is None
+    assert admin_is_exposed(config, "0.0.0.0:8080")  # allowed, still exposed: serve warns
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "corral.supervisor.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_refuses_open_admin_on_a_network_address(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("models: {}\n")
+    started = time.monotonic()
+    run = _cli("serve", "-c", str(cfg), "--listen", f"0.0.0.0:{free_port()}",
+               "--state-dir", str(tmp_path / "state"))
+    assert run.returncode == 2, run.stderr
+    assert time.monotonic() - started < 15
+    assert "error: listening on 0.0.0.0:" in run.stderr and "admin_open: true" in run.stderr
+
+
+def test_serve_with_admin_open_warns_loudly_and_serves(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("admin_open: true\nmodels: {}\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(cfg),
+         "--listen", f"0.0.0.0:{port}", "--state-dir", str(tmp_path / "state"),
+         "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "corral.listening" in line:
+                break
+        assert any('"corral.admin_open"' in line and '"warning"' in line for line in seen), seen
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_check_reports_open_admin_for_the_configured_listen(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("models: {}\nlisten: 0.0.0.0:8080\n")
+    run = _cli("check", str(cfg))
+    assert run.returncode == 1
+    assert f"error: {cfg}:2: listen: listening on 0.0.0.0:8080 (not loopback)" in run.stderr
+    cfg.write_text("models: {}\nlisten: 0.0.0.0:8080\nadmin_api_keys: [k]\n")
+    assert _cli("check", str(cfg)).returncode == 0
+
+
+# -- chain templates ------------------------------------------------------------------------
+
+def test_group_template_is_checked_at_load(tmp_path):
+    text = (GROUPS.replace("type: fan_out", "type: chain").replace("    selector: judge\n", "")
+            + '    template: "Improve: {nope}"\n')
+    issues = _issues(text, tmp_path)
+    assert any(i.startswith(f"{tmp_path / 'corral.yaml'}:15: groups.core.template: "
+                            "unsupported field {nope}") for i in issues), issues
+    good = text.replace("{nope}", "{previous} {{literal}}")
+    path = tmp_path / "good.yaml"
+    path.write_text(good)
+    assert load_config(path).groups["core"].template == "Improve: {previous} {{literal}}"

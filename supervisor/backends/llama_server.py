@@ -68,6 +68,10 @@ class LlamaServer:
             argv += ["--cache-type-k", spec.cache_type_k]
         if spec.cache_type_v:
             argv += ["--cache-type-v", spec.cache_type_v]
+        if spec.mmproj:
+            argv += ["--mmproj", str(spec.mmproj)]
+        if spec.embeddings:
+            argv += ["--embeddings"]
         argv += spec.args
         return argv
 
