@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from corral.proxy.errors import UpstreamFailed, UpstreamRejected, sse_error_event
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout, sse_error_event
+from corral.supervisor.instance import Lease
+
+log = structlog.get_logger("corral.proxy")
 
 # Per-connection headers (RFC 9110 §7.6.1) and ones aiohttp recomputes for the new message.
 _HOP_BY_HOP = frozenset({
@@ -16,13 +20,21 @@ _HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "content-length", "date", "server",
 })
 UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+# Failures that leave no doubt the child never began the request: the pooled connection was
+# already closed by the child (cpp-httplib closes idle keep-alive connections after 5 s and
+# every connection after 100 requests), or the connection could not be made at all.
+_NOT_BEGUN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# llama-server's cpp-httplib keeps an idle connection 5 s (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND).
+# Our side forgets it well before that, so a pooled connection is rarely one the child closed.
+_POOL_KEEPALIVE = 2.0
 
 
 def new_upstream_session() -> aiohttp.ClientSession:
     # No overall timeout: generations run as long as they run, and a client hang-up cancels
-    # them. Raw bytes both ways (no decompression, no cookie jar).
+    # them; first-byte and idle limits are set per request from the model's config.
+    # Raw bytes both ways (no decompression, no cookie jar).
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_POOL_KEEPALIVE),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
@@ -44,19 +56,60 @@ def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
 
 
 async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
-                        **request: Any) -> aiohttp.ClientResponse:
-    """POST to a child; a connection that fails before any answer becomes UpstreamFailed."""
-    try:
-        return await session.post(url, **request)
-    except UPSTREAM_BROKE as exc:
-        raise UpstreamFailed(f"{model} dropped the request: {exc or type(exc).__name__}") from exc
+                        lease: Lease | None = None, **request: Any) -> aiohttp.ClientResponse:
+    """POST to a child and wait for its response head.
+
+    With a lease: its auth header is sent, the model's first_byte_timeout bounds the wait for
+    the head (UpstreamTimeout), its idle_timeout then bounds every silence in the body
+    (aiohttp's ServerTimeoutError), and a request the child never began (stale pooled
+    connection) is sent once more while the child is alive. Other failures before an answer
+    become UpstreamFailed."""
+    if lease is not None:
+        spec = lease.instance.spec
+        request["headers"] = {**request.get("headers", {}), **lease.headers}
+        request["timeout"] = aiohttp.ClientTimeout(
+            total=None, sock_connect=10, sock_read=spec.first_byte_timeout)
+    for attempt in (1, 2, 3):
+        try:
+            response = await session.post(url, **request)
+            break
+        except aiohttp.ServerTimeoutError as exc:
+            limit = lease.instance.spec.first_byte_timeout if lease else None
+            raise UpstreamTimeout(
+                f"{model} sent no response within {limit:g}s (first_byte_timeout)"
+                if limit else f"{model} timed out: {exc}") from exc
+        except _NOT_BEGUN as exc:
+            if attempt < 3 and lease is not None and lease.child_alive():
+                log.info("upstream.retry", model=model, attempt=attempt,
+                         error=str(exc) or type(exc).__name__)
+                continue
+            raise UpstreamFailed(f"{model} dropped the request: "
+                                 f"{exc or type(exc).__name__}") from exc
+        except UPSTREAM_BROKE as exc:
+            raise UpstreamFailed(f"{model} dropped the request: "
+                                 f"{exc or type(exc).__name__}") from exc
+    if lease is not None and response.connection is not None:
+        # The head is in: from here on, the longest silence allowed is idle_timeout.
+        response.connection.protocol.read_timeout = lease.instance.spec.idle_timeout
+    return response
+
+
+def _broken(model: str, exc: BaseException, what: str) -> UpstreamFailed:
+    """A short reason for a child that broke off `what` (no aiohttp internals)."""
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return UpstreamTimeout(f"{model} went silent {what} (idle_timeout)")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        reason = "the connection closed before the answer was complete"
+    else:
+        reason = str(exc) or type(exc).__name__
+    return UpstreamFailed(f"{model} failed {what}: {reason}")
 
 
 async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
-                body: bytes, model: str) -> web.StreamResponse:
+                body: bytes, model: str, lease: Lease | None = None) -> web.StreamResponse:
     """POST `body` to `url` and relay the answer. Raises UpstreamFailed before any byte of the
     answer was sent; after that, a broken child ends the stream with an SSE error event."""
-    upstream = await open_upstream(session, url, model, data=body, headers={
+    upstream = await open_upstream(session, url, model, lease, data=body, headers={
         "Content-Type": "application/json",
         "Accept": request.headers.get("Accept", "*/*"),
     })
@@ -67,7 +120,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
             try:
                 payload = await upstream.read()
             except UPSTREAM_BROKE as exc:
-                raise UpstreamFailed(f"{model} broke off its answer: {exc}") from exc
+                raise _broken(model, exc, "while answering") from exc
             response = web.Response(status=upstream.status, body=payload,
                                     headers=_response_headers(upstream))
     except BaseException:
@@ -89,22 +142,27 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
     except UPSTREAM_BROKE as exc:
-        await response.write(sse_error_event(
-            f"{model} failed mid-stream: {exc or type(exc).__name__}"))
+        failure = _broken(model, exc, "mid-stream")
+        code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
+        log.warning("proxy.stream_broken", model=model, error=str(failure))
+        await response.write(sse_error_event(str(failure), code=code))
+        upstream.close()  # the child must see the hang-up (and drop the generation)
     await response.write_eof()
     return response
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                    model: str) -> dict[str, Any]:
+                    model: str, lease: Lease | None = None) -> dict[str, Any]:
     """A whole (non-streamed) JSON answer from a child, for callers that need its content."""
-    resp = await open_upstream(session, url, model, json=payload)
+    resp = await open_upstream(session, url, model, lease, json=payload)
     try:
         data = await resp.json(content_type=None)
     except BaseException as exc:
         resp.close()  # cancelled or broken: make the child see the hang-up
-        if isinstance(exc, (*UPSTREAM_BROKE, ValueError)):
-            raise UpstreamFailed(f"{model} broke off its answer: {exc}") from exc
+        if isinstance(exc, UPSTREAM_BROKE):
+            raise _broken(model, exc, "while answering") from exc
+        if isinstance(exc, ValueError):
+            raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
         raise
     resp.release()
     if resp.status != 200:

@@ -20,11 +20,12 @@ from corral.supervisor.errors import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
-    StartFailed,
+    StartBackoff,
     SupervisorError,
     UnknownModel,
 )
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
+from corral.supervisor.reservation import Reservation
 from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
@@ -38,7 +39,6 @@ class Daemon:
             for name, spec in loaded.models.items()
         }
         self._changed = Changed()
-        self._placement = asyncio.Lock()
         self._registry = ChildRegistry(state_file)
         self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -85,6 +85,7 @@ class Daemon:
             self._sweeper.cancel()
         for task in list(self._tasks):
             task.cancel()
+        # Stops are never cancelled: each ends with its process group gone.
         await asyncio.gather(*(i.stop("daemon shutdown") for i in self.instances.values()
                                if i.state is not State.STOPPED), return_exceptions=True)
         self._registry.clear()
@@ -116,22 +117,25 @@ class Daemon:
 
     # -- the door ------------------------------------------------------------------------------
 
-    async def acquire(self, name: str) -> Lease:
-        """Lease a ready instance of `name`, starting it (and evicting others) if needed."""
+    async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease:
+        """Lease a ready instance of `name`, starting it (and evicting others) if needed.
+        Every wait is bounded by the model's queue_timeout, counted from here."""
         if self._closing:
             raise ShuttingDown("corral is shutting down")
         inst = self.instance(name)
         if inst.state is State.READY and not inst.slots_full:
             return await inst.take_slot(inst.spec.queue_timeout)  # the hot path: no waiting
-        if inst.slots_full and inst.queued >= inst.spec.max_queue:
+        # Bounded in every state: a cold, starting or draining model queues no more than a
+        # ready one would (its free slots plus max_queue).
+        if inst.queued >= inst.spec.max_queue + inst.free_slots:
             raise QueueFull(f"{inst.name}: {inst.in_flight} in flight and {inst.queued} queued "
-                            f"(max_queue {inst.spec.max_queue})")
+                            f"(max_queue {inst.spec.max_queue}, state {inst.state})")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + inst.spec.queue_timeout
         inst.queued += 1
         try:
             while True:
-                await self._ensure_ready(inst, deadline)
+                await self._ensure_ready(inst, deadline, ignore_backoff)
                 try:
                     lease = await inst.take_slot(max(deadline - loop.time(), 0.001))
                 except TimeoutError:
@@ -143,12 +147,15 @@ class Daemon:
         finally:
             inst.queued -= 1
 
-    async def _ensure_ready(self, inst: Instance, deadline: float) -> None:
+    async def _ensure_ready(self, inst: Instance, deadline: float, ignore_backoff: bool) -> None:
         loop = asyncio.get_running_loop()
+        victim: Instance | None = None  # evicted on our behalf, still on its way out
+        room_deadline: float | None = None  # evict_timeout, from the first wait for room
         while inst.state is not State.READY:
             if self._closing:
                 raise ShuttingDown("corral is shutting down")
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 raise QueueTimeout(f"{inst.name} did not become ready in time "
                                    f"(state {inst.state})")
@@ -157,11 +164,41 @@ class Daemon:
             elif inst.state in (State.DRAINING, State.STOPPING):
                 await inst.wait_change(remaining)
             else:
-                async with self._placement:
-                    if inst.state in (State.STOPPED, State.FAILED):
-                        await self._make_room(inst)
-                        inst.begin_start(self._http(), self._on_spawn)
-                        inst.last_used = time.monotonic()
+                victim, placement = self._try_start(inst, victim, ignore_backoff)
+                if inst.state is State.STARTING:
+                    continue
+                if room_deadline is None:
+                    room_deadline = now + self.loaded.config.policy.evict_timeout
+                elif now >= room_deadline:
+                    raise NoCapacity(
+                        f"cannot start {inst.name}: max_loaded="
+                        f"{self.loaded.config.policy.max_loaded} and every loaded model is busy "
+                        f"or pinned ({', '.join(placement.blocked_by)}); retry later")
+                await self._changed.wait(min(remaining, room_deadline - now, 1.0))
+
+    def _try_start(self, inst: Instance, victim: Instance | None, ignore_backoff: bool,
+                   ) -> tuple[Instance | None, policy.Placement]:
+        """Decide, with no await in between, whether `inst` starts now, and act on it: start
+        it, or stop one idle model to make room (returned: the caller waits for it rather
+        than evicting another). Deciding and acting in one synchronous step is what keeps
+        two cold starts from claiming the same room, with no lock held across waits."""
+        backoff = inst.backoff_left()
+        if backoff > 0 and not ignore_backoff:
+            raise StartBackoff(
+                f"{inst.name} failed to start ({inst.last_error}); "
+                f"next try in {backoff:.1f}s", retry_after=backoff)
+        placement = policy.place(self._views(), inst.name, self.loaded.config.policy.max_loaded)
+        if placement.fits:
+            inst.begin_start(self._http(), self._on_spawn)
+            inst.last_used = time.monotonic()
+            return None, placement
+        if victim is not None and victim.state is not State.STOPPED:
+            return victim, placement
+        if placement.evict:
+            victim = self.instances[placement.evict]
+            victim.begin_stop(f"evicted (least recently used) to start {inst.name}")
+            return victim, placement
+        return None, placement
 
     async def _wait_started(self, inst: Instance) -> None:
         try:
@@ -170,41 +207,32 @@ class Daemon:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our own caller is being cancelled (client gone)
-            raise StartFailed(
-                f"{inst.name}: start was cancelled (unloaded or shutting down)") from None
-
-    async def _make_room(self, inst: Instance) -> None:
-        loop = asyncio.get_running_loop()
-        max_loaded = self.loaded.config.policy.max_loaded
-        deadline = loop.time() + self.loaded.config.policy.evict_timeout
-        while True:
-            placement = policy.place(self._views(), inst.name, max_loaded)
-            if placement.fits:
-                return
-            if placement.evict:
-                victim = self.instances[placement.evict]
-                await victim.stop(f"evicted (least recently used) to start {inst.name}")
-                continue
-            remaining = deadline - loop.time()
-            if remaining <= 0 or self._closing:
-                raise NoCapacity(
-                    f"cannot start {inst.name}: max_loaded={max_loaded} and every loaded model "
-                    f"is busy or pinned ({', '.join(placement.blocked_by)}); retry later")
-            await self._changed.wait(min(remaining, 1.0))
+            # The start was called off (unload, eviction): go round; it may start again.
 
     @contextlib.contextmanager
-    def reserve(self, names: Iterable[str]) -> Iterator[None]:
+    def reserve(self, names: Iterable[str]) -> Iterator[Reservation]:
         """Hold models that will be acquired together (a group's members): while held they
-        are busy, so neither TTL nor LRU stops one to make room for another."""
-        held = [self.instance(n) for n in set(names)]
-        for inst in held:
-            inst.held += 1
+        are busy, so neither TTL nor LRU stops one to make room for another.
+
+        All or none, decided at once: when what is held already (by other groups) plus these
+        plus the pinned models cannot be loaded together, NoCapacity now, instead of two
+        groups each holding what the other needs until evict_timeout."""
+        wanted = {self.instance(n).name for n in names}
+        held_elsewhere = {i.name for i in self.instances.values() if i.held > 0}
+        pinned = {i.name for i in self.instances.values() if i.pinned}
+        together = wanted | held_elsewhere | pinned
+        max_loaded = self.loaded.config.policy.max_loaded
+        if wanted and len(together) > max_loaded:
+            busy = sorted(held_elsewhere - wanted)
+            raise NoCapacity(
+                f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
+                f"other groups hold {', '.join(busy) or 'none'} and max_loaded is {max_loaded}"
+                f"; retry when they finish")
+        reservation = Reservation(self, wanted)
         try:
-            yield
+            yield reservation
         finally:
-            for inst in held:
-                inst.held -= 1
-            self._changed.fire()
+            reservation.release_all()
 
     def check_capacity(self, names: Iterable[str], what: str) -> None:
         """Refuse up front what max_loaded can never fit, instead of thrashing."""
@@ -223,15 +251,17 @@ class Daemon:
     # -- admin actions -------------------------------------------------------------------------
 
     async def load(self, name: str) -> Instance:
-        lease = await self.acquire(name)
+        # An operator asking explicitly is the retry a back-off waits for.
+        lease = await self.acquire(name, ignore_backoff=True)
         lease.release()
         return lease.instance
 
     async def unload(self, name: str, force: bool = False) -> Instance:
+        """Drain (unless forced) and stop. The stop belongs to the instance: a caller that
+        hangs up stops waiting, the model still ends STOPPED."""
         inst = self.instance(name)
-        if not force:
-            await inst.drain(self.loaded.config.shutdown_grace)
-        await inst.stop("unloaded by admin" + (" (forced)" if force else ""))
+        drain = 0.0 if force else self.loaded.config.shutdown_grace
+        await inst.stop("unloaded by admin" + (" (forced)" if force else ""), drain=drain)
         return inst
 
     # -- internals -----------------------------------------------------------------------------
@@ -253,8 +283,12 @@ class Daemon:
     def _on_instance_change(self) -> None:
         self._changed.fire()
 
+    def notify_change(self) -> None:
+        """Something waiters for room or capacity care about changed (e.g. a hold ended)."""
+        self._changed.fire()
+
     def _on_spawn(self, _inst: Instance) -> None:
-        self._persist_children()
+        self._persist_children()  # raising here fails the start and stops the child
 
     def _persist_children(self) -> None:
         self._registry.record([(i.name, i.pid) for i in self.instances.values()
@@ -262,23 +296,28 @@ class Daemon:
 
     async def _sweep_ttl(self) -> None:
         while True:
-            now = time.monotonic()
-            views = self._views()
-            for name in policy.expired(views, now):
-                inst = self.instances[name]
-                log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
-                self._spawn_task(self._stop_quietly(inst, f"idle for {inst.spec.ttl:g}s (ttl)"))
-            wait = policy.next_expiry(views, now)
+            wait: float | None = 1.0
+            try:
+                wait = self._expire_idle(time.monotonic())
+            except Exception:
+                # One bad sweep must not end TTL for good.
+                log.exception("daemon.ttl_sweep_failed")
             await asyncio.sleep(min(max(wait or 1.0, 0.05), 1.0))
+
+    def _expire_idle(self, now: float) -> float | None:
+        """Stop what has been idle past its TTL; seconds until the next could expire.
+        Decision and stop happen in one synchronous step (begin_stop leaves READY at once),
+        so a request arriving meanwhile either got its slot first (then the model is busy
+        and not expired) or finds the model stopping and starts it again."""
+        views = self._views()
+        for name in policy.expired(views, now):
+            inst = self.instances[name]
+            log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
+            inst.begin_stop(f"idle for {inst.spec.ttl:g}s (ttl)")
+        return policy.next_expiry(views, now)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         """Background work the daemon owns: kept referenced, cancelled at close."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _stop_quietly(self, inst: Instance, reason: str) -> None:
-        try:
-            await inst.stop(reason)
-        except Exception:
-            log.exception("daemon.stop_failed", model=inst.name)

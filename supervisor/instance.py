@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,13 @@ import structlog
 from corral.supervisor.backends.base import Backend, BinaryNotFound
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut
-from corral.supervisor.process import ChildExited, ChildProcess, ChildStartTimeout, free_port
+from corral.supervisor.process import (
+    ChildExited,
+    ChildProcess,
+    ChildStartTimeout,
+    free_port,
+    probe_health,
+)
 
 
 class State(StrEnum):
@@ -33,8 +40,9 @@ _TRANSITIONS: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.READY, State.FAILED, State.STOPPING}),
     State.READY: frozenset({State.DRAINING, State.STOPPING, State.FAILED}),
     State.DRAINING: frozenset({State.STOPPING, State.FAILED}),
-    State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
-    State.FAILED: frozenset({State.STARTING, State.STOPPING, State.STOPPED}),
+    # A stop, once begun, always ends in STOPPED (its task owns the ending, see _stop).
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.FAILED: frozenset({State.STARTING, State.STOPPING}),
 }
 
 # States in which a child holds (or is about to hold, or still holds) memory.
@@ -66,6 +74,7 @@ class Lease:
 
     instance: Instance
     base_url: str
+    headers: dict[str, str]
     _released: bool = False
 
     def release(self) -> None:
@@ -73,10 +82,30 @@ class Lease:
             self._released = True
             self.instance._release_slot()
 
+    def child_alive(self) -> bool:
+        """Whether the child behind this lease still runs (cheap, synchronous)."""
+        return self.instance.child_alive()
+
     async def upstream_broke(self, within: float = 0.5) -> None:
-        """The request to the child broke. If the child is dying, wait (briefly) until its
-        state says so, so that a retry starts a new child instead of leasing a dead port."""
+        """The request to the child broke. A dead child is marked failed at once, so the next
+        request starts a new one instead of leasing a dead port; a dying one gets `within`
+        seconds for its exit to be seen."""
+        self.instance.mark_if_dead()
         await self.instance.settle_exit(within)
+
+
+@dataclass
+class Health:
+    """What the watchdog saw of a ready child's /health."""
+
+    last_probe: float | None = None  # wall clock
+    last_ok: float | None = None
+    failures: int = 0  # consecutive
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"last_probe": self.last_probe, "last_ok": self.last_ok,
+                "failures": self.failures, "last_error": self.last_error}
 
 
 class Instance:
@@ -95,9 +124,17 @@ class Instance:
         self.starts = 0
         self.last_error: str | None = None
         self.pinned = False
+        self.health = Health()
+        self.start_failures = 0  # consecutive failed starts: the back-off exponent
+        self._retry_at: float | None = None  # monotonic; no new start before it
+        self._headers: dict[str, str] = {}
         self._slots = asyncio.Semaphore(spec.parallel)
         self._start_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
         self._exit_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._drain_until = 0.0
+        self._marked_dead = False  # failed by mark_if_dead, before the exit watcher ran
         self._state_changed = Changed()
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(model=spec.name)
@@ -118,8 +155,15 @@ class Instance:
     def slots_full(self) -> bool:
         return self._slots.locked()
 
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.spec.parallel - self.in_flight)
+
     def idle_seconds(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.last_used
+
+    def child_alive(self) -> bool:
+        return self.process is not None and self.process.alive()
 
     # -- state machine -------------------------------------------------------------------------
 
@@ -138,6 +182,12 @@ class Instance:
         await self._state_changed.wait(timeout)
 
     # -- start ---------------------------------------------------------------------------------
+
+    def backoff_left(self, now: float | None = None) -> float:
+        """Seconds before a failed model may be started again (0: now)."""
+        if self.state is not State.FAILED or self._retry_at is None:
+            return 0.0
+        return max(0.0, self._retry_at - (now or time.monotonic()))
 
     def begin_start(self, session: aiohttp.ClientSession,
                     on_spawn: Callable[[Instance], None]) -> None:
@@ -159,62 +209,118 @@ class Instance:
 
     async def _start(self, session: aiohttp.ClientSession,
                      on_spawn: Callable[[Instance], None]) -> None:
-        process = await self._spawn_and_wait(session, on_spawn, last_try=False)
-        if process is None:  # someone took its port before the child bound it: once more
-            process = await self._spawn_and_wait(session, on_spawn, last_try=True)
+        try:
+            process = await self._spawn_and_wait(session, on_spawn, last_try=False)
+            if process is None:  # someone took its port before the child bound it: once more
+                process = await self._spawn_and_wait(session, on_spawn, last_try=True)
+        except StartFailed:
+            if self.state is State.FAILED:  # not when a stop took over mid-start
+                self._note_start_failure()
+            raise
         assert process is not None  # the last try returns a child or raises
         self.last_error = None
+        self.start_failures = 0
+        self._retry_at = None
+        self.health = Health()
         self._transition(State.READY)
         self._exit_task = asyncio.create_task(self._watch_exit(process), name=f"exit:{self.name}")
+        self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
+                                                  name=f"watchdog:{self.name}")
+
+    def _note_start_failure(self) -> None:
+        self.start_failures += 1
+        base = self.spec.start_backoff
+        if base <= 0:
+            self._retry_at = None
+            return
+        delay = min(base * 2 ** (self.start_failures - 1), self.spec.start_backoff_max)
+        self._retry_at = time.monotonic() + delay
+        self._log.warning("instance.start_backoff", failures=self.start_failures,
+                          retry_in=round(delay, 3))
 
     async def _spawn_and_wait(self, session: aiohttp.ClientSession,
                               on_spawn: Callable[[Instance], None],
                               last_try: bool) -> ChildProcess | None:
         """One start attempt: the healthy child, or None when it lost its port (retry)."""
         self.port = free_port()
+        api_key = secrets.token_urlsafe(24)
         try:
             argv = self.backend.argv(self.spec, self.port)
         except BinaryNotFound as exc:
-            self._transition(State.FAILED, str(exc))
+            self._fail_start(str(exc))
             raise StartFailed(str(exc)) from exc
+        argv += self.backend.auth_args(api_key)
         process = ChildProcess(self.name, argv, self.backend.env(self.spec))
         self.process = process
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        # Shielded: a stop arriving mid-spawn must find a child it can stop, not an exec
+        # that finished after its caller gave up on it.
+        spawning = asyncio.ensure_future(process.spawn())
         try:
-            await process.spawn()
+            await asyncio.shield(spawning)
         except OSError as exc:
             message = f"cannot execute {argv[0]}: {exc.strerror or exc}"
-            self._transition(State.FAILED, message)
+            self._fail_start(message)
             raise StartFailed(message) from exc
-        on_spawn(self)
-        url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait([spawning])
+            await _stop_uncancellable(process)
+            raise
         try:
+            on_spawn(self)
+            url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
             await process.wait_healthy(session, url, self.spec.start_timeout)
         except ChildExited as exc:
             await process.stop(0)
             if not last_try and self.backend.lost_port_race(exc.tail):
                 self._log.warning("instance.port_taken", port=self.port, pid=process.pid)
                 return None
-            self._transition(State.FAILED, str(exc))
+            self._fail_start(str(exc))
             raise StartFailed(str(exc), exc.tail) from exc
         except ChildStartTimeout as exc:
             message = f"{exc}; stopped it"
-            self._transition(State.FAILED, message)
+            self._fail_start(message)
             await process.stop(0)
             raise StartTimedOut(message, exc.tail) from exc
         except asyncio.CancelledError:
-            # The daemon is shutting down mid-start.
-            await process.stop(0)
+            # Stopped (unload, eviction, shutdown) mid-start: the child must not outlive it.
+            await _stop_uncancellable(process)
             raise
+        except Exception as exc:
+            # Bookkeeping around the child failed (e.g. the state file): a child nobody
+            # tracks must not keep running.
+            self._log.exception("instance.start_bookkeeping_failed", pid=process.pid)
+            await process.stop(0)
+            message = f"{self.name}: start aborted: {type(exc).__name__}: {exc}"
+            self._fail_start(message)
+            raise StartFailed(message) from exc
         return process
+
+    def _fail_start(self, message: str) -> None:
+        if self.state is State.STARTING:  # a stop may have taken over meanwhile
+            self._transition(State.FAILED, message)
 
     async def _watch_exit(self, process: ChildProcess) -> None:
         code = await process.wait()
         process.sweep_group()  # helpers it forked die with it, while the group id is ours
-        if self.process is process and self.state in (State.READY, State.DRAINING):
-            tail = process.tail(5)
-            detail = f": {tail[-1]}" if tail else ""
-            self._transition(State.FAILED, f"{self.name} exited unexpectedly with code {code}"
-                                           f"{detail}")
+        if self.process is not process:
+            return
+        tail = process.tail(5)
+        detail = f": {tail[-1]}" if tail else ""
+        message = f"{self.name} exited unexpectedly with code {code}{detail}"
+        if self.state in (State.READY, State.DRAINING):
+            self._transition(State.FAILED, message)
+        elif self.state is State.FAILED and self._marked_dead:
+            self.last_error = message  # the exit code and log line say more than "gone"
+            self._on_change()
+
+    def mark_if_dead(self) -> None:
+        """A request saw the child break: if it is gone, fail the instance now, before the
+        exit watcher runs, so no other request is handed its port."""
+        if self.state in (State.READY, State.DRAINING) and not self.child_alive():
+            self._marked_dead = True
+            self._transition(State.FAILED, f"{self.name} (pid {self.pid}) died while serving")
 
     async def settle_exit(self, within: float) -> None:
         task = self._exit_task
@@ -222,6 +328,38 @@ class Instance:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), within)
+
+    # -- health watchdog -----------------------------------------------------------------------
+
+    async def _watchdog(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
+        """Probe /health of a ready child; kill it after `health_failures` misses in a row.
+        /health never touches the slots, so probing it cannot hide a request's cancellation."""
+        url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
+
+        def serving() -> bool:
+            return self.process is process and self.state in (State.READY, State.DRAINING)
+
+        while serving():
+            await asyncio.sleep(self.spec.health_interval)
+            if not serving():
+                return
+            problem = await probe_health(session, url, self.spec.health_timeout)
+            now = time.time()
+            self.health.last_probe = now
+            if problem is None:
+                self.health.last_ok = now
+                self.health.failures = 0
+                continue
+            self.health.failures += 1
+            self.health.last_error = problem
+            self._log.warning("instance.health_failed", pid=process.pid, problem=problem,
+                              failures=self.health.failures, limit=self.spec.health_failures)
+            if self.health.failures >= self.spec.health_failures and serving():
+                self._transition(State.FAILED, (
+                    f"{self.name} stopped answering: {self.health.failures} health probes "
+                    f"failed in a row (last: {problem}); killed pid {process.pid}"))
+                await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
+                return
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -233,7 +371,7 @@ class Instance:
             await self._slots.acquire()  # free slot: no timer task on the hot path
         self.in_flight += 1
         self.last_used = time.monotonic()
-        return Lease(self, f"http://127.0.0.1:{self.port}")
+        return Lease(self, f"http://127.0.0.1:{self.port}", self._headers)
 
     def _release_slot(self) -> None:
         self.in_flight -= 1
@@ -243,31 +381,74 @@ class Instance:
 
     # -- stop ----------------------------------------------------------------------------------
 
-    async def drain(self, timeout: float) -> None:
-        """READY → DRAINING: take no new leases, wait (bounded) for in-flight ones to end."""
-        if self.state is State.READY:
-            self._transition(State.DRAINING)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self.in_flight > 0 and self.state is State.DRAINING:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                break
-            await self.wait_change(min(remaining, 0.1))
+    def begin_stop(self, reason: str, drain: float = 0.0) -> asyncio.Task[None] | None:
+        """Begin stopping; returns the stop task (None when already stopped).
 
-    async def stop(self, reason: str) -> None:
-        if self.state in (State.STOPPED, State.STOPPING):
-            return
-        if self.state is State.STARTING and self._start_task:
-            self._start_task.cancel()
-        self._transition(State.STOPPING)
-        self._log.info("instance.stop", reason=reason, pid=self.pid)
+        The state leaves READY before this returns, so no lease is handed out after the
+        decision to stop, with no await in between (TTL, eviction and unload rely on that).
+        The task belongs to the instance, not to the caller: a caller that is cancelled
+        (client gone) stops waiting, the stop itself runs to STOPPED regardless.
+        With `drain`, in-flight requests get that many seconds to finish first."""
+        loop = asyncio.get_running_loop()
+        if self._stop_task is not None and not self._stop_task.done():
+            if drain <= 0 and self._drain_until > loop.time():
+                self._drain_until = loop.time()  # a forced stop cuts a drain short
+                self._state_changed.fire()
+            return self._stop_task
+        if self.state is State.STOPPED:
+            return None
+        if self.state is State.READY and drain > 0:
+            self._drain_until = loop.time() + drain
+            self._transition(State.DRAINING)
+        else:
+            self._drain_until = loop.time()
+            self._transition(State.STOPPING)
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()  # delivered before the start task runs again
+        self._log.info("instance.stop", reason=reason, pid=self.pid, drain=drain)
+        self._stop_task = asyncio.create_task(self._stop(), name=f"stop:{self.name}")
+        return self._stop_task
+
+    async def stop(self, reason: str, drain: float = 0.0) -> None:
+        """Stop and wait until STOPPED (or until the caller is cancelled)."""
+        task = self.begin_stop(reason, drain)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _stop(self) -> None:
+        loop = asyncio.get_running_loop()
         process = self.process
-        if process:
-            await process.stop(self.spec.stop_grace)
-        if self._exit_task:
-            self._exit_task.cancel()
-            self._exit_task = None
-        self._transition(State.STOPPED)
+        try:
+            while self.state is State.DRAINING and self.in_flight > 0:
+                remaining = self._drain_until - loop.time()
+                if remaining <= 0:
+                    break
+                await self.wait_change(min(remaining, 0.1))
+            if self.state in (State.DRAINING, State.FAILED):
+                self._transition(State.STOPPING)
+            start = self._start_task
+            if start is not None and not start.done():
+                await asyncio.wait([start])  # it stops its own child on the way out
+            self._cancel_watchdog()
+            process = self.process
+            if process is not None:
+                await process.stop(self.spec.stop_grace)
+        finally:
+            # Whatever happened above, the stop ends here: group gone, state STOPPED.
+            if process is not None:
+                process.sweep_group()
+            self._cancel_watchdog()
+            if self._exit_task is not None:
+                self._exit_task.cancel()
+                self._exit_task = None
+            self._marked_dead = False
+            self._transition(State.STOPPED)
+
+    def _cancel_watchdog(self) -> None:
+        task = self._watchdog_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            self._watchdog_task = None
 
     def describe(self, now_mono: float | None = None) -> dict[str, Any]:
         now = now_mono or time.monotonic()
@@ -276,6 +457,7 @@ class Instance:
         if self.state is State.READY and self.spec.ttl > 0 and not self.pinned:
             # In use, the clock has not started: it runs from the last release.
             ttl_left = self.spec.ttl if self.busy else max(0.0, self.spec.ttl - idle)
+        backoff = self.backoff_left(now)
         return {
             "name": self.name,
             "backend": self.spec.backend,
@@ -296,4 +478,17 @@ class Instance:
             "starts": self.starts,
             "restarts": self.restarts,
             "last_error": self.last_error,
+            "start_failures": self.start_failures,
+            "retry_at": time.time() + backoff if backoff > 0 else None,
+            "health": self.health.as_dict(),
         }
+
+
+async def _stop_uncancellable(process: ChildProcess) -> None:
+    """Stop `process` even though the calling task is being cancelled."""
+    task = asyncio.ensure_future(process.stop(0))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        process.sweep_group()
+        raise

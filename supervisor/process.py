@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 import aiohttp
+import psutil
 import structlog
 
 _PR_SET_PDEATHSIG = 1
@@ -41,12 +42,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> bool:
+async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
+    """None when `url` answers 200 within `timeout`, else what went wrong."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False  # not listening yet, or still loading
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except aiohttp.ClientError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> bool:
+    # During start: not listening yet, or still loading, is simply "not yet".
+    return await probe_health(session, url, timeout) is None
+
+
+# What a child may see of the daemon's environment: enough to find its libraries, GPUs and
+# caches, nothing else (the daemon's own secrets, API keys included, stay with the daemon).
+_ENV_PASSED = frozenset({"PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG", "LANGUAGE",
+                         "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV"})
+_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HSA_", "ROCM_", "GGML_", "LLAMA_",
+                 "VLLM_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "OMP_", "KMP_", "MKL_",
+                 "XDG_")
+
+
+def child_environment(parent: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """A minimal environment for a child: the passed-through variables plus the model's env."""
+    env = {k: v for k, v in parent.items()
+           if k in _ENV_PASSED or k.startswith(_ENV_PREFIXES)}
+    env.update(extra)
+    return env
 
 
 def _child_setup() -> None:
@@ -80,11 +106,21 @@ class ChildProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode if self._proc else None
 
+    def alive(self) -> bool:
+        """Whether the child still runs, asked of the kernel: a zombie the event loop has not
+        reaped yet counts as dead."""
+        if self._proc is None or self._proc.returncode is not None:
+            return False
+        try:
+            return psutil.Process(self._proc.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def tail(self, n: int = 20) -> list[str]:
         return list(self.logs)[-n:]
 
     async def spawn(self) -> int:
-        env = {**os.environ, **self.env}
+        env = child_environment(os.environ, self.env)
         self._proc = await asyncio.create_subprocess_exec(
             *self.argv,
             stdin=asyncio.subprocess.DEVNULL,

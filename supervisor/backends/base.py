@@ -20,8 +20,13 @@ class Backend(Protocol):
         """The full argv (binary first) that serves `spec` on 127.0.0.1:`port`."""
         ...
 
+    def auth_args(self, api_key: str) -> list[str]:
+        """Extra argv that makes the child require `api_key` (sent by corral as a Bearer
+        token), so no other local user can use the child's port directly."""
+        ...
+
     def env(self, spec: ModelSpec) -> dict[str, str]:
-        """Extra environment for the child, on top of the daemon's."""
+        """The model's own environment for the child, on top of the minimal one corral passes."""
         ...
 
     def lost_port_race(self, log_tail: list[str]) -> bool:

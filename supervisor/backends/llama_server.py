@@ -75,6 +75,9 @@ class LlamaServer:
         argv += spec.args
         return argv
 
+    def auth_args(self, api_key: str) -> list[str]:
+        return []  # TODO(corral): ["--api-key", api_key] once every caller sends lease.headers
+
     def env(self, spec: ModelSpec) -> dict[str, str]:
         return dict(spec.env)
 

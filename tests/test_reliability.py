@@ -1,0 +1,141 @@
+"""Supervisor correctness under races and bookkeeping faults, against real children: minimal
+child environments, a failing spawn step, cold starts that must not queue behind an unrelated
+eviction, groups whose members overlap, and TTL stops racing requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from conftest import tiny_config, wait_until
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_children_get_a_minimal_environment(start_corral, tiny_models, monkeypatch):
+    # The daemon's own secrets must not reach a child any local user can inspect.
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-daemon-secret")
+    monkeypatch.setenv("CORRAL_TEST_SECRET", "do-not-leak")
+    config = tiny_config(tiny_models)
+    config["models"]["tiny-a"]["env"] = {"MODEL_OWN_SETTING": "yes"}
+    corral = start_corral(config)
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    env = _environ(corral.model("tiny-a")["pid"])
+    assert "OPENAI_API_KEY" not in env and "CORRAL_TEST_SECRET" not in env
+    assert env["MODEL_OWN_SETTING"] == "yes"
+    assert env["PATH"] == os.environ["PATH"]
+
+
+def test_a_failing_spawn_bookkeeping_step_stops_the_child(start_corral, tiny_models, tmp_path):
+    corral = start_corral(tiny_config(tiny_models, defaults={"start_backoff": 0}))
+    # The pid file is written through a temp file next to it: a directory there makes that
+    # write fail right after the child started.
+    port = corral.url.rsplit(":", 1)[1]
+    blocker = tmp_path / "state" / f"children-{port}.tmp"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.mkdir()
+    resp = corral.chat("tiny-a", max_tokens=1)
+    assert resp.status_code == 502, resp.text
+    spawned = [e["pid"] for e in corral.log_events("child.spawned")]
+    assert len(spawned) == 1
+    wait_until(lambda: not _running(spawned[0]), timeout=10)
+    assert corral.model("tiny-a")["state"] == "failed"
+    blocker.rmdir()
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    assert corral.model("tiny-a")["state"] == "ready"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_cold_start_does_not_wait_for_an_unrelated_eviction(start_corral, tiny_models):
+    # max_loaded 2 with a and b loaded; a is frozen, so stopping it takes its whole
+    # stop_grace. c evicts a (least recently used); d, arriving just after, evicts b and must
+    # be served long before a's stop ends: no global lock held across a victim's stop.
+    corral = start_corral(tiny_config(
+        tiny_models, names=["tiny-a", "tiny-b", "tiny-c", "tiny-a2"],
+        defaults={"stop_grace": 6, "health_interval": 30}, policy={"max_loaded": 2}))
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    assert corral.chat("tiny-b", max_tokens=1).status_code == 200
+    frozen = corral.model("tiny-a")["pid"]
+    os.kill(frozen, signal.SIGSTOP)
+    finished: dict[str, float] = {}
+    codes: dict[str, int] = {}
+
+    def ask(name: str) -> None:
+        codes[name] = corral.chat(name, max_tokens=1).status_code
+        finished[name] = time.monotonic()
+
+    try:
+        first = threading.Thread(target=ask, args=("tiny-c",))
+        first.start()
+        wait_until(lambda: corral.model("tiny-a")["state"] == "stopping", timeout=5)
+        began = time.monotonic()
+        ask("tiny-a2")
+        assert codes["tiny-a2"] == 200
+        assert finished["tiny-a2"] - began < 4  # a's stop takes 6 s
+        first.join(30)
+    finally:
+        if _running(frozen):
+            os.kill(frozen, signal.SIGCONT)
+    assert codes["tiny-c"] == 200
+    assert finished["tiny-a2"] < finished["tiny-c"]
+    assert corral.model("tiny-a")["state"] == "stopped"
+
+
+def test_groups_with_overlapping_members_fail_fast_instead_of_deadlocking(
+        start_corral, tiny_models):
+    config = tiny_config(tiny_models, names=["tiny-a", "tiny-b", "tiny-c"],
+                         policy={"max_loaded": 2, "evict_timeout": 20})
+    config["groups"] = {"ab": {"models": ["tiny-a", "tiny-b"]},
+                        "bc": {"models": ["tiny-b", "tiny-c"]}}
+    corral = start_corral(config)
+    long = {"max_tokens": 3000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    results: dict[str, httpx.Response] = {}
+
+    def run(group: str) -> None:
+        results[group] = corral.http.post("/v1/batch/execute", json={"group": group, **long})
+
+    holder = threading.Thread(target=run, args=("ab",))
+    holder.start()
+    wait_until(lambda: corral.model("tiny-a")["held"] and corral.model("tiny-b")["held"])
+    began = time.monotonic()
+    run("bc")
+    waited = time.monotonic() - began
+    holder.join(60)
+    assert results["bc"].status_code == 503, results["bc"].text
+    assert results["bc"].headers.get("Retry-After")
+    assert "hold" in results["bc"].json()["error"]["message"]
+    assert waited < 5  # not evict_timeout (20 s)
+    assert results["ab"].status_code == 200
+    # Once ab is done, bc runs.
+    assert corral.http.post("/v1/batch/execute", json={"group": "bc", **long,
+                                                       "max_tokens": 2}).status_code == 200
+
+
+def test_requests_racing_ttl_stops_are_all_served(start_corral, tiny_models):
+    # Requests arrive right around the moment the TTL fires, over and over: each one either
+    # keeps the model (it took a slot first) or starts it again; none loses its child.
+    corral = start_corral(tiny_config(tiny_models, defaults={"ttl": 0.3}))
+    codes = []
+    for i in range(25):
+        codes.append(corral.chat("tiny-a", max_tokens=1).status_code)
+        time.sleep(0.25 + (i % 5) * 0.02)
+    assert codes == [200] * 25
+    stops = [e for e in corral.log_events("instance.stop") if "ttl" in e["reason"]]
+    assert stops  # the race was really run: TTL fired in between
