@@ -249,8 +249,8 @@ class Instance:
         except BinaryNotFound as exc:
             self._fail_start(str(exc))
             raise StartFailed(str(exc)) from exc
-        argv += self.backend.auth_args(api_key)
-        process = ChildProcess(self.name, argv, self.backend.env(self.spec))
+        env = {**self.backend.env(self.spec), **self.backend.auth_env(api_key)}
+        process = ChildProcess(self.name, argv, env)
         self.process = process
         self._headers = {"Authorization": f"Bearer {api_key}"}
         # Shielded: a stop arriving mid-spawn must find a child it can stop, not an exec

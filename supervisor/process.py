@@ -62,7 +62,7 @@ async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> bo
 # caches, nothing else (the daemon's own secrets, API keys included, stay with the daemon).
 _ENV_PASSED = frozenset({"PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG", "LANGUAGE",
                          "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV"})
-_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HSA_", "ROCM_", "GGML_", "LLAMA_",
+_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HSA_", "ROCM_", "GGML_",
                  "VLLM_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "OMP_", "KMP_", "MKL_",
                  "XDG_")
 

@@ -139,3 +139,18 @@ def test_requests_racing_ttl_stops_are_all_served(start_corral, tiny_models):
     assert codes == [200] * 25
     stops = [e for e in corral.log_events("instance.stop") if "ttl" in e["reason"]]
     assert stops  # the race was really run: TTL fired in between
+
+
+def test_children_require_their_per_start_key(start_corral, tiny_models):
+    # Any local user can reach 127.0.0.1:<port>; only corral knows the child's key.
+    corral = start_corral(tiny_config(tiny_models))
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    port = corral.model("tiny-a")["port"]
+    body = {"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    direct = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10)
+    assert direct.status_code == 401
+    # Not in argv, which every local user can read (ps); in the child's environment.
+    pid = corral.model("tiny-a")["pid"]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    key = _environ(pid)["LLAMA_API_KEY"]
+    assert len(key) >= 24 and key.encode() not in cmdline

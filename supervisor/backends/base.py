@@ -20,8 +20,8 @@ class Backend(Protocol):
         """The full argv (binary first) that serves `spec` on 127.0.0.1:`port`."""
         ...
 
-    def auth_args(self, api_key: str) -> list[str]:
-        """Extra argv that makes the child require `api_key` (sent by corral as a Bearer
+    def auth_env(self, api_key: str) -> dict[str, str]:
+        """Environment that makes the child require `api_key` (sent by corral as a Bearer
         token), so no other local user can use the child's port directly."""
         ...
 

@@ -75,8 +75,10 @@ class LlamaServer:
         argv += spec.args
         return argv
 
-    def auth_args(self, api_key: str) -> list[str]:
-        return []  # TODO(corral): ["--api-key", api_key] once every caller sends lease.headers
+    def auth_env(self, api_key: str) -> dict[str, str]:
+        # The environment, not argv: any local user can read a process's argv (ps), only
+        # its owner can read its environment.
+        return {"LLAMA_API_KEY": api_key}
 
     def env(self, spec: ModelSpec) -> dict[str, str]:
         return dict(spec.env)
