@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,9 @@ class Corral:
     config_path: Path
     api_key: str = "unused"
     http: httpx.Client = field(init=False)
+    # (pid, cmdline) of every child ever seen, polled or logged: the orphan check's list. A
+    # pid may appear twice, recycled for a later child with another port.
+    seen_children: set[tuple[int, tuple[str, ...]]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.http = httpx.Client(base_url=self.url, timeout=60,
@@ -111,10 +115,42 @@ class Corral:
         return out
 
     def child_pids(self) -> list[int]:
+        """The daemon's live descendants now; each is remembered for the orphan check."""
         try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+            children = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        pids = []
+        for child in children:
+            try:
+                self.seen_children.add((child.pid, tuple(child.cmdline())))
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                continue
+            pids.append(child.pid)
+        return pids
+
+    def spawned(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Every `child.spawned` event in the daemon's log (each has `pid`, `argv`, `model`),
+        oldest first; remembered for the orphan check."""
+        events = [e for e in self.log_events("child.spawned")
+                  if model is None or e.get("model") == model]
+        for e in events:
+            if isinstance(e.get("pid"), int) and isinstance(e.get("argv"), list):
+                self.seen_children.add((e["pid"], tuple(str(a) for a in e["argv"])))
+        return events
+
+    def spawned_pids(self, model: str | None = None) -> list[int]:
+        return [e["pid"] for e in self.spawned(model)]
+
+    def known_children(self) -> set[tuple[int, tuple[str, ...]]]:
+        """(pid, cmdline) of every child seen so far, by polling or in the log."""
+        self.child_pids()
+        self.spawned()
+        return set(self.seen_children)
+
+    def still_running(self) -> dict[int, tuple[str, ...]]:
+        """The children seen so far that still run (same pid, same command line)."""
+        return {pid: cmd for pid, cmd in self.known_children() if same_process(cmd, pid)}
 
 
 def tiny_config(tiny_models: dict[str, Path], names: list[str] | None = None,
@@ -130,24 +166,57 @@ def tiny_config(tiny_models: dict[str, Path], names: list[str] | None = None,
     return config
 
 
-@pytest.fixture
-def start_corral(tmp_path: Path) -> Iterator[Any]:
-    started: list[Corral] = []
+def same_process(recorded: Sequence[str], pid: int) -> bool:
+    """Whether `pid` still runs the process recorded with `recorded` as its command line (not
+    a zombie, and not a new process that got the pid after the old one died). The arguments
+    after argv[0] must match: they carry the child's own port and model path; argv[0] may
+    differ where a wrapper script exec'd the real binary."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmdline = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True  # cannot tell: count it, rather than miss an orphan
+    recorded = list(recorded)
+    if len(recorded) < 2:
+        return cmdline == recorded
+    tail = recorded[1:]
+    return cmdline == recorded or cmdline[-len(tail):] == tail
 
-    def start(config: dict[str, Any], api_key: str = "unused", wait: bool = True) -> Corral:
-        n = len(started)
-        config_path = tmp_path / f"corral-{n}.yaml"
+
+def _continue(pid: int) -> None:
+    """A test may have SIGSTOPped a child; nothing stays stopped past its test."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGCONT)
+
+
+class CorralFactory:
+    """Starts corral daemons in `folder`; `close()` stops them and fails on any child of
+    theirs that outlived them (found by pid and command line, so a child reparented to init
+    counts, and a recycled pid does not)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.started: list[Corral] = []
+
+    def __call__(self, config: dict[str, Any], api_key: str = "unused",
+                 wait: bool = True) -> Corral:
+        n = len(self.started)
+        config_path = self.folder / f"corral-{n}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port = free_port()
-        log_path = tmp_path / f"corral-{n}.log"
+        log_path = self.folder / f"corral-{n}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),
-                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
+                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(self.folder / "state"),
                  "--log-format", "json", "--log-level", "debug"],
-                stdout=subprocess.DEVNULL, stderr=log_file, cwd=tmp_path)
+                stdout=subprocess.DEVNULL, stderr=log_file, cwd=self.folder)
         corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, config_path, api_key)
-        started.append(corral)
+        self.started.append(corral)
         if wait:
             def healthy() -> bool:
                 assert proc.poll() is None, f"corral exited:\n{log_path.read_text()}"
@@ -158,21 +227,47 @@ def start_corral(tmp_path: Path) -> Iterator[Any]:
             wait_until(healthy, timeout=15)
         return corral
 
-    yield start
-
-    for corral in started:
-        children = corral.child_pids()
-        if corral.proc.poll() is None:
-            corral.proc.send_signal(signal.SIGTERM)
-            try:
-                corral.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                corral.proc.kill()
-                corral.proc.wait()
-        corral.http.close()
+    def close(self) -> None:
+        problems = []
+        for corral in self.started:
+            for pid in corral.still_running():
+                _continue(pid)
+            if corral.proc.poll() is None:
+                corral.proc.send_signal(signal.SIGTERM)
+                try:
+                    corral.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    corral.proc.kill()
+                    corral.proc.wait()
+            corral.http.close()
+            # The log is complete now (children spawned since the last poll are in it too);
+            # a moment for the parent-death signal of a daemon that had to be killed.
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda corral=corral: not corral.still_running(), timeout=3)
+            leftovers = corral.still_running()
+            for pid in leftovers:
+                _continue(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if leftovers:
+                problems.append(f"children outlived corral {corral.url}: " + "; ".join(
+                    f"{pid} {' '.join(cmd)[:160]}" for pid, cmd in leftovers.items()))
+        self.started.clear()
         # Nothing survives the daemon: every child it had must be gone.
-        leftovers = [p for p in children if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"children outlived corral: {leftovers}"
+        assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def start_corral(tmp_path: Path) -> Iterator[CorralFactory]:
+    """start_corral(config, api_key=..., wait=True) → Corral, stopped after the test."""
+    factory = CorralFactory(tmp_path)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def start_corral_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorralFactory]:
+    """Like start_corral, for a daemon several tests of one module share."""
+    factory = CorralFactory(tmp_path_factory.mktemp("corral"))
+    yield factory
+    factory.close()
