@@ -7,7 +7,7 @@ MODELS ?= models
 # RPC on so ggml-rpc-server comes with llama-server.
 LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-.PHONY: setup demo-model run test bench lint
+.PHONY: setup demo-model run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -24,10 +24,34 @@ run: demo-model
 test: demo-model
 	$(BIN)/pytest
 
-bench: demo-model
+# Each bench prints ratios measured in one run (corral beside the bare child, and nginx where it
+# applies); a few minutes in all on 2 cores. nginx is the reference proxy: installed if missing.
+bench: demo-model nginx
 	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/relay_chunks.py
+	$(BIN)/python bench/big_prompt.py
+	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/cold_start.py
 	$(BIN)/python bench/group_parallel.py
+
+# Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
+# leaked process, fd or port. `make soak MINUTES=1` is the CI version.
+MINUTES ?= 30
+soak: setup
+	$(BIN)/python bench/soak.py --minutes $(MINUTES)
+
+# Best effort: without nginx the benches still run and say the reference is missing. Only the
+# binary is wanted (each bench runs its own nginx in a temp dir), so the distro's service that
+# the package may start on :80 is stopped and disabled again.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; \
+	  else echo "nginx missing and not root: benches run without the reference proxy"; exit 0; fi; \
+	  echo "installing nginx (the benches' reference proxy)"; \
+	  $$SUDO apt-get install -y nginx >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y nginx >/dev/null 2>&1; } || \
+	  echo "could not install nginx: benches run without the reference proxy"; \
+	  $$SUDO systemctl disable --now nginx >/dev/null 2>&1 || true; }
 
 lint: setup
 	$(BIN)/ruff check supervisor proxy tests bench

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import httpx
 
-from _harness import QUIET, corral, free_port, llama_server_argv, tiny_model
+from _harness import (
+    QUIET,
+    code_note,
+    corral,
+    free_port,
+    llama_server_argv,
+    machine_note,
+    tiny_model,
+)
 
 BODY = {"model": "m", "max_tokens": 1, "stream": True,
         "messages": [{"role": "user", "content": "hi"}]}
@@ -81,6 +89,8 @@ def main() -> None:
                 healthy.append(h)
                 bare_first.append(f)
                 via.append(through_corral(client, url))
+    print(code_note())
+    print(f"machine: {machine_note()}")
     med = statistics.median
     print(f"model: {model.name}, {args.rounds} rounds, medians")
     print(f"bare llama-server  start→healthy {med(healthy):8.1f} ms   "

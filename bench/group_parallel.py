@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from _harness import corral, tiny_model
+from _harness import code_note, corral, machine_note, tiny_model
 
 MEMBERS = ["m1", "m2", "m3"]
 
@@ -59,6 +59,8 @@ def main() -> None:
                 overheads.append(result["wall_ms"] - inside)
                 walls.append(wall)
                 slowest.append(max(solo))
+    print(code_note())
+    print(f"machine: {machine_note()}")
     med = statistics.median
     print(f"3 tiny members, {args.tokens} tokens each, {args.rounds} rounds, medians, "
           f"{os.cpu_count()} cores")

@@ -1,94 +1,178 @@
-"""Latency corral adds in front of a llama-server, measured in one run, beside nginx as a
-reference reverse proxy when nginx is installed.
+"""Latency and throughput corral adds in front of a llama-server, beside nginx as the reference
+reverse proxy, all measured in one run.
 
-The same tiny model runs twice: once as a bare llama-server, once as corral's child. The same
-requests (one generated token, so the server's own work is small and the proxy's share shows)
-go to both, interleaved so drift hits both alike. Prints p50/p99 added latency and the req/s
-ratio under concurrency.
+One tiny model, one llama-server child (corral's own). The same requests (one generated
+token, so the server's own work is small and the proxies' share shows) go straight to that
+child, through nginx (one worker, keep-alive upstream pool, HTTP/1.1, proxy_buffering off) to
+that same child, and through corral. The run is split into
+rounds; each round measures every path sequentially (interleaved request by request, so drift
+hits all alike) and then at concurrency 8 (paths in rotating order). Prints p50/p99 added
+latency, req/s at concurrency 1 and 8, the per-round spread, and the two targets:
 
-    python bench/proxy_overhead.py [--requests 2000] [--concurrency 8]
+    corral's added p50 - nginx's added p50 <= 0.3 ms
+    corral req/s / nginx req/s at concurrency 8 >= 0.90
+
+    python bench/proxy_overhead.py [--requests 2000] [--concurrency 8] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
-from _harness import QUIET, bare_llama_server, corral, nginx_proxy, percentile, tiny_model
+from _harness import (
+    NGINX_MISSING,
+    Endpoint,
+    code_note,
+    corral_and_its_child,
+    cpu_seconds,
+    machine_note,
+    nginx_proxy,
+    percentile,
+    spread,
+    tiny_model,
+)
 
 BODY = {"model": "tiny", "max_tokens": 1, "temperature": 0,
         "messages": [{"role": "user", "content": "hi"}]}
+TARGET_ADDED_P50_MS = 0.3
+TARGET_RPS_RATIO = 0.90
 
 
-async def one(session: aiohttp.ClientSession, url: str) -> float:
+async def one(session: aiohttp.ClientSession, to: Endpoint) -> float:
     started = time.perf_counter()
-    async with session.post(url + "/v1/chat/completions", json=BODY) as resp:
+    async with session.post(to.url + "/v1/chat/completions", json=BODY,
+                            headers=to.headers) as resp:
         await resp.read()
         assert resp.status == 200, resp.status
     return (time.perf_counter() - started) * 1000
 
 
-async def latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
-    """Interleaved: each round asks every path once, so drift hits all alike."""
+async def sequential(session: aiohttp.ClientSession, urls: dict[str, Endpoint],
+                     n: int) -> dict[str, list[float]]:
+    """Interleaved: every path once per step, so drift hits all alike."""
     out: dict[str, list[float]] = {name: [] for name in urls}
-    async with aiohttp.ClientSession() as session:
-        for _ in range(50):  # warm every path: connections, slots, prompt cache
-            for url in urls.values():
-                await one(session, url)
-        for _ in range(n):
-            for name, url in urls.items():
-                out[name].append(await one(session, url))
+    for _ in range(n):
+        for name, url in urls.items():
+            out[name].append(await one(session, url))
     return out
 
 
-async def throughput(url: str, n: int, concurrency: int) -> float:
-    async with aiohttp.ClientSession() as session:
-        queue = iter(range(n))
+async def throughput(session: aiohttp.ClientSession, url: Endpoint, n: int,
+                     concurrency: int) -> float:
+    queue = iter(range(n))
 
-        async def worker() -> None:
-            for _ in queue:
-                await one(session, url)
+    async def worker() -> None:
+        for _ in queue:
+            await one(session, url)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return n / (time.perf_counter() - started)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return n / (time.perf_counter() - started)
+
+
+async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], per_round: int,
+                  rounds: int,
+                  concurrency: int) -> tuple[list[dict[str, list[float]]],
+                                             list[dict[str, float]], dict[str, float]]:
+    """Per-round latencies and req/s, and each proxy's CPU ms per request under load."""
+    lat_rounds: list[dict[str, list[float]]] = []
+    rps_rounds: list[dict[str, float]] = []
+    cpu = {name: 0.0 for name in pids}
+    names = list(urls)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await sequential(session, urls, 50)  # warm every path: connections, slots, cache
+        for name in names:
+            await throughput(session, urls[name], 4 * concurrency, concurrency)
+        for r in range(rounds):
+            lat_rounds.append(await sequential(session, urls, per_round))
+            order = names[r % len(names):] + names[:r % len(names)]
+            rps: dict[str, float] = {}
+            for name in order:
+                before = cpu_seconds(pids.get(name, []))
+                rps[name] = await throughput(session, urls[name], per_round, concurrency)
+                if name in pids:
+                    cpu[name] += cpu_seconds(pids[name]) - before
+            rps_rounds.append(rps)
+    return lat_rounds, rps_rounds, {n: t * 1000 / (per_round * rounds) for n, t in cpu.items()}
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2000, help="per path, all rounds")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    per_round = max(1, args.requests // args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        parallel = args.concurrency
-        with bare_llama_server(model, parallel) as direct, nginx_proxy(direct) as nginx, \
-                corral({"tiny": {"model": str(model), "ctx": 4096, "parallel": parallel,
-                                 "args": QUIET}},
-                       defaults={"max_queue": 1024}) as proxied:
-            urls = {"direct": direct, "corral": proxied}
+        with corral_and_its_child(model, args.concurrency, defaults={"max_queue": 1024}) \
+                as (proxied, child), nginx_proxy(child) as nginx:
+            urls = {"direct": child, "corral": proxied.endpoint}
+            pids = {"corral": [proxied.pid]}
             if nginx:
-                urls["nginx"] = nginx
-            lat = asyncio.run(latencies(urls, args.requests))
-            rps = {name: asyncio.run(throughput(url, args.requests, args.concurrency))
-                   for name, url in urls.items()}
-    print(f"requests: {args.requests} sequential per path (interleaved), then {args.requests} "
-          f"at concurrency {args.concurrency}; tiny model, 1 token per request")
-    d = lat["direct"]
-    for name, values in lat.items():
-        p50, p99 = percentile(values, 50), percentile(values, 99)
-        added = "" if name == "direct" else (
-            f"   added p50 {p50 - percentile(d, 50):+7.3f} ms"
-            f"  p99 {p99 - percentile(d, 99):+7.3f} ms"
-            f"   req/s ratio {rps[name] / rps['direct']:.3f}")
-        print(f"{name:7s} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   {rps[name]:7.1f} req/s{added}")
-    if "nginx" not in lat:
-        print("nginx    not installed: `apt-get install nginx` adds it as a reference proxy")
+                urls["nginx"] = nginx.endpoint
+                pids["nginx"] = nginx.pids()
+            print(code_note())
+            print(f"machine: {machine_note()}")
+            lat_rounds, rps_rounds, cpu = asyncio.run(
+                measure(urls, pids, per_round, args.rounds, args.concurrency))
+            print(f"machine: {machine_note()}")
+
+    c = args.concurrency
+    print(f"{per_round * args.rounds} requests per path sequentially (interleaved) and as many "
+          f"at concurrency {c}, in {args.rounds} rounds; tiny model, 1 token per request; "
+          f"paths: {', '.join(urls)}")
+    lat = {name: [v for r in lat_rounds for v in r[name]] for name in urls}
+    # req/s at concurrency 1 = requests / time spent on that path in the sequential phase
+    rps1 = [{name: len(r[name]) / (sum(r[name]) / 1000) for name in urls} for r in lat_rounds]
+    d50, d99 = percentile(lat["direct"], 50), percentile(lat["direct"], 99)
+    for name in urls:
+        p50, p99 = percentile(lat[name], 50), percentile(lat[name], 99)
+        r1 = statistics.median(r[name] for r in rps1)
+        r8 = statistics.median(r[name] for r in rps_rounds)
+        line = (f"{name:7s} p50 {p50:7.3f} ms  p99 {p99:7.3f} ms   req/s c1 {r1:6.1f}  "
+                f"c{c} {r8:6.1f}")
+        if name != "direct":
+            line += (f"   added p50 {p50 - d50:+.3f} ms  p99 {p99 - d99:+.3f} ms   "
+                     f"of direct: c1 {r1 / statistics.median(r['direct'] for r in rps1):.3f}  "
+                     f"c{c} {r8 / statistics.median(r['direct'] for r in rps_rounds):.3f}   "
+                     f"CPU {cpu[name]:.3f} ms/request")
+        print(line)
+
+    def added(name: str) -> list[float]:
+        return [percentile(r[name], 50) - percentile(r["direct"], 50) for r in lat_rounds]
+
+    print("per-round spread (median, min … max), the noise of this run:")
+    for name in urls:
+        if name != "direct":
+            print(f"  {name:7s} added p50 {spread(added(name))} ms;  req/s c{c} of direct "
+                  f"{spread([r[name] / r['direct'] for r in rps_rounds], '{:.3f}')}")
+    if "nginx" not in urls:
+        print(NGINX_MISSING)
+        print("targets: not judged (they are relative to nginx)")
+        return
+    gap = [a - b for a, b in zip(added("corral"), added("nginx"), strict=True)]
+    ratio1 = [r["corral"] / r["nginx"] for r in rps1]
+    ratio8 = [r["corral"] / r["nginx"] for r in rps_rounds]
+    pooled_gap = (percentile(lat["corral"], 50) - percentile(lat["nginx"], 50))
+    print(f"corral vs nginx: added p50 difference {pooled_gap:+.3f} ms "
+          f"(per round {spread(gap)});  req/s ratio c1 {spread(ratio1, '{:.3f}')}, "
+          f"c{c} {spread(ratio8, '{:.3f}')}")
+    print(f"target added p50 within {TARGET_ADDED_P50_MS} ms of nginx: "
+          f"{verdict(pooled_gap <= TARGET_ADDED_P50_MS)};  "
+          f"target c{c} req/s >= {TARGET_RPS_RATIO:.0%} of nginx: "
+          f"{verdict(statistics.median(ratio8) >= TARGET_RPS_RATIO)}")
 
 
 if __name__ == "__main__":

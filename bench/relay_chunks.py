@@ -1,0 +1,142 @@
+"""What corral costs per relayed chunk of a long stream, measured in one run.
+
+One tiny model, one llama-server child (corral's own). The same streamed request (1,000
+generated tokens: max_tokens + ignore_eos, temperature 0, so every run is the same stream) goes
+straight to that child, through corral, and through nginx (proxy_buffering off) when installed,
+in rotating order, for several rounds. Per path: request → [DONE] wall time, the SSE events
+received, the inter-event gaps the client sees (p50/p99/max), and the proxy's own CPU time.
+
+    cost per chunk = (corral's wall time - direct's wall time) / events      target <= 0.2 ms
+
+The stream is paced by the child's generation (~0.5 ms a token here), so a proxy's per-chunk
+work mostly overlaps with it; what shows in wall time is what it delays. CPU ms per chunk is
+the proxy's own work, whether it delays the stream or not (on 2 cores it is taken from the
+child and the client).
+
+    python bench/relay_chunks.py [--tokens 1000] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from _harness import (
+    NGINX_MISSING,
+    Endpoint,
+    code_note,
+    corral_and_its_child,
+    cpu_seconds,
+    machine_note,
+    nginx_proxy,
+    percentile,
+    spread,
+    tiny_model,
+)
+
+TARGET_MS_PER_CHUNK = 0.2
+
+
+async def stream(session: aiohttp.ClientSession, to: Endpoint,
+                 tokens: int) -> tuple[float, list[float]]:
+    """Wall ms request → [DONE], and each data event's arrival time (ms from the start)."""
+    body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    arrivals: list[float] = []
+    tail = b""
+    started = time.perf_counter()
+    async with session.post(to.url + "/v1/chat/completions", json=body,
+                            headers=to.headers) as resp:
+        assert resp.status == 200, resp.status
+        async for chunk in resp.content.iter_any():
+            now = (time.perf_counter() - started) * 1000
+            arrivals.extend([now] * (tail[-5:] + chunk).count(b"data:"))
+            tail = chunk
+    assert b"[DONE]" in tail, tail[-200:]
+    return (time.perf_counter() - started) * 1000, arrivals[:-1]  # the last event is [DONE]
+
+
+def gaps(arrivals: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], tokens: int,
+                  rounds: int) -> tuple[list[dict[str, float]], dict[str, list[float]],
+                                        dict[str, int], dict[str, float]]:
+    walls: list[dict[str, float]] = []
+    all_gaps: dict[str, list[float]] = {name: [] for name in urls}
+    events: dict[str, int] = {}
+    cpu = {name: 0.0 for name in pids}
+    names = list(urls)
+    async with aiohttp.ClientSession() as session:
+        for name in names:  # warm-up: connections, the child's prompt cache
+            await stream(session, urls[name], 50)
+        for r in range(rounds):
+            wall: dict[str, float] = {}
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                before = cpu_seconds(pids.get(name, []))
+                wall[name], arrivals = await stream(session, urls[name], tokens)
+                if name in pids:
+                    cpu[name] += cpu_seconds(pids[name]) - before
+                all_gaps[name] += gaps(arrivals)
+                events[name] = len(arrivals)
+            walls.append(wall)
+    return walls, all_gaps, events, {n: t * 1000 / rounds for n, t in cpu.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model(Path(tmp))
+        with corral_and_its_child(model, 1) as (proxied, child), nginx_proxy(child) as nginx:
+            urls = {"direct": child, "corral": proxied.endpoint}
+            pids = {"corral": [proxied.pid]}
+            if nginx:
+                urls["nginx"] = nginx.endpoint
+                pids["nginx"] = nginx.pids()
+            print(code_note())
+            print(f"machine: {machine_note()}")
+            walls, all_gaps, events, cpu = asyncio.run(
+                measure(urls, pids, args.tokens, args.rounds))
+            print(f"machine: {machine_note()}")
+
+    n = events["direct"]
+    print(f"one stream of {args.tokens} tokens = {n} SSE events (byte tokens that end mid-UTF-8 "
+          f"are sent together), {args.rounds} rounds per path, rotating order")
+    for name in urls:
+        w = [r[name] for r in walls]
+        g = all_gaps[name]
+        line = (f"{name:7s} wall {statistics.median(w):7.1f} ms   gap p50 {percentile(g, 50):.3f} "
+                f"p90 {percentile(g, 90):.3f} p99 {percentile(g, 99):.3f} max {max(g):.2f} ms")
+        if name in cpu:
+            line += f"   CPU {cpu[name] / events[name]:.4f} ms/event"
+        print(line)
+    print(f"per-chunk cost = (proxy wall - direct wall) / {n} events, per round; "
+          f"the spread is this run's noise:")
+    per_chunk: dict[str, list[float]] = {}
+    for name in urls:
+        if name != "direct":
+            per_chunk[name] = [(r[name] - r["direct"]) / n for r in walls]
+            added_gap = [percentile(all_gaps[name], q) - percentile(all_gaps["direct"], q)
+                         for q in (50, 99)]
+            print(f"  {name:7s} {spread(per_chunk[name], '{:+.4f}')} ms/chunk;  added gap "
+                  f"p50 {added_gap[0]:+.3f} ms  p99 {added_gap[1]:+.3f} ms")
+    if "nginx" not in urls:
+        print(NGINX_MISSING)
+    cost = statistics.median(per_chunk["corral"])
+    print(f"target corral <= {TARGET_MS_PER_CHUNK} ms per chunk: "
+          f"{'met' if cost <= TARGET_MS_PER_CHUNK else 'NOT met'} ({cost:+.4f} ms)")
+
+
+if __name__ == "__main__":
+    main()
