@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,21 +11,34 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import admin
-from corral.proxy.errors import ApiError, UpstreamFailed, error_response, from_supervisor
+from corral.proxy import admin, request_id
+from corral.proxy.errors import (
+    ApiError,
+    UpstreamFailed,
+    child_error,
+    error_response,
+    http_error,
+    shape_of,
+)
 from corral.proxy.forward import new_upstream_session, relay
 from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
 from corral.proxy.groups import GroupRunner
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve, upstream_body
+from corral.proxy.upstream import leased
+from corral.proxy.validate import check_fields, check_messages, parse_json_object
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
-from corral.supervisor.errors import SupervisorError
+from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
 
 log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+# Whether the request carries an admin key (or no keys are configured): groups not exposed
+# as models are the operator's.
+ADMIN: web.RequestKey[bool] = web.RequestKey("admin", bool)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -38,9 +50,15 @@ def create_app(daemon: Daemon) -> web.Application:
     cfg = daemon.loaded.config
     app = web.Application(
         client_max_size=int(cfg.max_body_mb * 1024 * 1024),
-        middlewares=[_errors_middleware, _auth_middleware(cfg.api_keys, cfg.admin_api_keys)],
+        # Bodies arrive as sent: a Content-Encoding aiohttp cannot decode (br without Brotli)
+        # would otherwise be refused below the middlewares, in plain text. read_json_body
+        # refuses compressed bodies itself, in the OpenAI shape.
+        handler_args={"auto_decompress": False},
+        middlewares=[_request_id_middleware, _errors_middleware,
+                     _auth_middleware(cfg.api_keys, cfg.admin_api_keys)],
     )
     app[DAEMON] = daemon
+    app.on_response_prepare.append(_send_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
@@ -63,11 +81,28 @@ async def _upstream_session(app: web.Application) -> Any:
 # -- middlewares -------------------------------------------------------------------------------
 
 @web.middleware
+async def _request_id_middleware(request: web.Request,
+                                 handler: Handler) -> web.StreamResponse:
+    rid = request_id.choose(request.headers.get(request_id.HEADER))
+    request[REQUEST_ID] = rid
+    with request_id.bound(rid):
+        return await handler(request)
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    # A signal, not the middleware: a streamed response sends its headers before the
+    # handler returns.
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[request_id.HEADER] = rid
+
+
+@web.middleware
 async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except SupervisorError as exc:
-        return from_supervisor(exc)
+    except (SupervisorError, UpstreamFailed) as exc:
+        return _failure(request.app[DAEMON], exc)
     except ApiError as exc:
         return exc.response()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -78,12 +113,37 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
             raise
         return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
                               code=exc.reason.lower().replace(" ", "_"))
+    except ConnectionResetError:
+        # The client hung up while we wrote to it: nobody to answer, and nothing upstream
+        # is to blame. 499 is nginx's "client closed request", for the record only.
+        log.info("proxy.client_gone", method=request.method, path=request.path)
+        return web.Response(status=499)
+    except Exception:
+        # A bug. The client gets the OpenAI shape and the request id; the daemon log gets
+        # the traceback under the same id.
+        log.exception("proxy.unhandled", method=request.method, path=request.path)
+        return error_response(500, "internal error in corral", kind="server_error",
+                              code="internal_error")
+
+
+def _failure(daemon: Daemon, exc: SupervisorError | UpstreamFailed) -> web.Response:
+    if daemon.closing and isinstance(exc, (UpstreamFailed, StartFailed)):
+        # Its child was stopped by the shutdown, not broken: try again (elsewhere) later.
+        log.info("proxy.stopped_by_shutdown", error=str(exc))
+        exc = ShuttingDown("corral is shutting down")
+    shape = shape_of(exc)
+    if shape.status >= 500:
+        log.warning("proxy.request_failed", status=shape.status, code=shape.code,
+                    error=str(exc))
+    return http_error(exc)
 
 
 def _auth_middleware(api_keys: list[str], admin_keys: list[str]) -> Any:
     user = [k.encode() for k in api_keys]
     # Without admin keys, admin falls back to the API keys (or stays open when there are none).
     admin_only = [k.encode() for k in admin_keys] or user
+    # An admin key opens /v1 too: the operator may do what users do, and run every group.
+    v1 = user + admin_only if user else []
 
     def allowed(request: web.Request, keys: list[bytes]) -> bool:
         if not keys:
@@ -95,10 +155,11 @@ def _auth_middleware(api_keys: list[str], admin_keys: list[str]) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        keys = admin_only if path.startswith("/admin") else user if path.startswith("/v1") else []
+        keys = admin_only if path.startswith("/admin") else v1 if path.startswith("/v1") else []
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")
+        request[ADMIN] = allowed(request, admin_only)
         return await handler(request)
 
     return middleware
@@ -152,14 +213,15 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def read_json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     """The raw body (relayed as is) and its parsed form (read for routing)."""
-    raw = await request.read()
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(400, f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON "
+                       "body uncompressed", "unsupported_content_encoding")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", "invalid_json")
-    return raw, body
+        raw = await request.read()
+    except web.RequestPayloadError as exc:  # e.g. a chunked body cut short
+        raise ApiError(400, f"could not read the request body: {exc}", "invalid_body") from exc
+    return raw, parse_json_object(raw)
 
 
 def requested_model(body: dict[str, Any]) -> str:
@@ -180,28 +242,34 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions",
                            "group_endpoint", param="model")
         return await chat_with_group(request, request.app[GROUPS], target.group, body)
+    # What the child would choke on (some of it with a 500) is refused here, clearly.
+    check_fields(body)
+    if request.path == "/v1/chat/completions":
+        check_messages(body, required=False)
     canonical = target.name
     raw = upstream_body(raw, body, canonical)
-    lease = await daemon.acquire(canonical)
-    try:
-        return await relay(request, request.app[UPSTREAM], lease.base_url + request.path, raw,
-                           canonical)
-    except UpstreamFailed as exc:
-        await lease.upstream_broke()
-        detail = lease.instance.last_error
-        message = f"{exc}" + (f" ({detail})" if detail else "")
-        log.warning("proxy.upstream_failed", model=canonical, pid=lease.instance.pid,
-                    error=message)
-        return error_response(502, message, kind="server_error", code="upstream_failed")
-    finally:
-        lease.release()
+    async with leased(daemon, canonical) as lease:
+        response = await relay(request, request.app[UPSTREAM], lease.base_url + request.path,
+                               raw, canonical, lease)
+    return _documented(response, canonical)
+
+
+def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:
+    """A child's whole (unstreamed) error answer, reshaped: our error shape, our statuses."""
+    if response.prepared or response.status < 400 or not isinstance(response, web.Response):
+        return response
+    body = response.body if isinstance(response.body, bytes) else b""
+    if response.status >= 500:
+        log.warning("proxy.child_error", model=model, status=response.status,
+                    body=body[:300].decode(errors="replace"))
+    return child_error(response.status, body, model)
 
 
 async def batch(request: web.Request) -> web.StreamResponse:
     _, body = await read_json_body(request)
-    return await batch_execute(request, request.app[GROUPS], body)
+    return await batch_execute(request, request.app[GROUPS], body, admin=request[ADMIN])
 
 
 async def chain(request: web.Request) -> web.StreamResponse:
     _, body = await read_json_body(request)
-    return await chain_execute(request, request.app[GROUPS], body)
+    return await chain_execute(request, request.app[GROUPS], body, admin=request[ADMIN])

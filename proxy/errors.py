@@ -1,26 +1,45 @@
-"""OpenAI-shaped error responses: {"error": {"message", "type", "code", "param"}}."""
+"""OpenAI-shaped error responses, {"error": {"message", "type", "code", "param"}}, and the one
+table that says what each supervisor or upstream error means in HTTP."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
-from corral.supervisor.errors import SupervisorError
+from corral.proxy import request_id
+from corral.proxy.sse import error_event as sse_error_event  # its old home: forward.py imports it
+from corral.supervisor.errors import (
+    NoCapacity,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    StartBackoff,
+    StartFailed,
+    StartTimedOut,
+    SupervisorError,
+    UnknownModel,
+    shown,
+)
+
+__all__ = ["ApiError", "UnknownGroup", "UpstreamFailed", "UpstreamRejected", "UpstreamTimeout",
+           "error_response", "http_error", "shape_of", "sse_error_event"]
 
 
 def error_response(status: int, message: str, *, kind: str = "invalid_request_error",
                    code: str | None = None, param: str | None = None,
-                   retry_after: float | None = None) -> web.Response:
+                   retry_after: float | None = None,
+                   extra: dict[str, Any] | None = None) -> web.Response:
+    """The one error body. A 5xx message ends with the request id: what a client quotes when
+    it reports the failure, and what finds its lines in the daemon log."""
     headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": code, "param": param}},
-        status=status, headers=headers)
-
-
-def from_supervisor(exc: SupervisorError) -> web.Response:
-    return error_response(exc.status, str(exc), kind=exc.kind, code=exc.code,
-                          retry_after=exc.retry_after)
+    if status >= 500:
+        message = request_id.tagged(message)
+    body = {"error": {"message": message, "type": kind, "code": code, "param": param}}
+    return web.json_response({**body, **(extra or {})}, status=status, headers=headers)
 
 
 class ApiError(Exception):
@@ -36,6 +55,15 @@ class ApiError(Exception):
                               param=self.param)
 
 
+class UnknownGroup(UnknownModel):
+    """A group named in /v1/batch or /v1/chain that does not exist (for this caller)."""
+
+    def __init__(self, name: str, known: list[str], hint: str = ""):
+        super().__init__(name, known)
+        self.args = (f"group {shown(name)} does not exist{hint}; "
+                     f"groups: {', '.join(known) or 'none'}",)
+
+
 class UpstreamFailed(Exception):
     """The child broke the connection or answered garbage (→ 502)."""
 
@@ -48,10 +76,63 @@ class UpstreamTimeout(UpstreamFailed):
     """The child sent nothing within first_byte_timeout, or went silent past idle_timeout."""
 
 
-def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:
-    """An error delivered inside an already-started SSE stream (the status line is gone).
-    The OpenAI SDKs raise APIError on an event carrying an `error` object."""
-    import json
+@dataclass(frozen=True)
+class Shape:
+    status: int
+    code: str
+    kind: str = "server_error"
 
-    payload = {"error": {"message": message, "type": "server_error", "code": code}}
-    return f"data: {json.dumps(payload)}\n\n".encode()
+
+# Most specific first is not needed: shape_of walks each error's own class hierarchy.
+_SHAPES: dict[type[Exception], Shape] = {
+    UnknownGroup: Shape(404, "group_not_found", "invalid_request_error"),
+    UnknownModel: Shape(404, "model_not_found", "invalid_request_error"),
+    QueueFull: Shape(429, "queue_full", "rate_limit_error"),
+    QueueTimeout: Shape(503, "queue_timeout"),
+    NoCapacity: Shape(503, "no_capacity"),
+    ShuttingDown: Shape(503, "shutting_down"),
+    StartBackoff: Shape(503, "model_start_backoff"),
+    StartTimedOut: Shape(504, "model_start_timeout"),
+    StartFailed: Shape(502, "model_start_failed"),
+    UpstreamTimeout: Shape(504, "upstream_timeout"),
+    UpstreamFailed: Shape(502, "upstream_failed"),
+}
+_UNMAPPED = Shape(500, "internal_error")
+
+
+def shape_of(exc: Exception) -> Shape:
+    for cls in type(exc).__mro__:
+        shape = _SHAPES.get(cls)
+        if shape is not None:
+            return shape
+    return _UNMAPPED
+
+
+def http_error(exc: SupervisorError | UpstreamFailed,
+               extra: dict[str, Any] | None = None) -> web.Response:
+    shape = shape_of(exc)
+    return error_response(shape.status, str(exc), kind=shape.kind, code=shape.code,
+                          retry_after=getattr(exc, "retry_after", None), extra=extra)
+
+
+def child_error(status: int, payload: bytes, model: str) -> web.Response:
+    """A child's own error answer, in our shape and with a status we document: its 4xx stay
+    (the request was refused), its other 5xx (llama-server answers 500 to some malformed
+    requests, 501 to a feature it was not started with) become 502."""
+    message, kind = _child_message(payload)
+    if status >= 500 and status not in (502, 503, 504):
+        return error_response(502, f"{model} answered HTTP {status}: {message}",
+                              kind="server_error", code="upstream_error")
+    return error_response(status, message, kind=kind or "invalid_request_error",
+                          code="upstream_error" if status >= 500 else None)
+
+
+def _child_message(payload: bytes) -> tuple[str, str | None]:
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        kind = error.get("type")
+        return error["message"], kind if isinstance(kind, str) else None
+    return payload[:300].decode(errors="replace"), None

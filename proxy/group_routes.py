@@ -4,29 +4,49 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
+import structlog
 from aiohttp import web
 
-from corral.proxy.errors import ApiError, UpstreamFailed
-from corral.proxy.forward import UPSTREAM_BROKE, open_upstream, sse_headers
+from corral.proxy import sse
+from corral.proxy.errors import (
+    ApiError,
+    UpstreamFailed,
+    UpstreamRejected,
+    error_response,
+    http_error,
+)
+from corral.proxy.forward import UPSTREAM_BROKE, open_upstream
 from corral.proxy.groups import CHAT_PATH, GroupFailed, GroupOutcome, GroupRunner
 from corral.proxy.routing import group_by_name
+from corral.proxy.upstream import leased
+from corral.proxy.validate import bad, check_fields, check_messages
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
-from corral.supervisor.errors import SupervisorError
+from corral.supervisor.errors import ShuttingDown, SupervisorError
 from corral.supervisor.templates import template_problem
 
+log = structlog.get_logger("corral.proxy")
 
-def check_messages(body: dict[str, Any]) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of chat messages",
-                       "invalid_messages", param="messages")
+# An ad-hoc chain runs its models one after another: a request naming hundreds of them would
+# hold a connection (and the models) for as long as it liked.
+MAX_CHAIN_MODELS = 16
+
+
+def check_group_request(body: dict[str, Any]) -> None:
+    """What every group request must get right before any member starts. The template too:
+    /v1/batch/execute runs chain groups as well, with the request's template."""
+    check_messages(body, required=True)
+    check_fields(body)
+    check_template(body)
 
 
 def check_template(body: dict[str, Any]) -> None:
@@ -40,38 +60,47 @@ def check_template(body: dict[str, Any]) -> None:
         raise ApiError(400, f"bad template: {problem}", "invalid_template", param="template")
 
 
-def failed_response(exc: GroupFailed) -> web.Response:
-    return web.json_response({
-        "error": {"message": str(exc), "type": "server_error", "code": "group_failed",
-                  "param": None},
-        "group": exc.outcome.as_dict()}, status=502)
+def failed_response(exc: GroupFailed, daemon: Daemon) -> web.Response:
+    details = {"group": exc.outcome.as_dict()}
+    log.warning("proxy.group_failed", group=exc.outcome.group.name, error=str(exc),
+                closing=daemon.closing)
+    if daemon.closing:  # the members were stopped by the shutdown, not broken
+        return http_error(ShuttingDown("corral is shutting down"), extra=details)
+    return error_response(502, str(exc), kind="server_error", code="group_failed",
+                          extra=details)
 
 
-async def batch_execute(request: web.Request, runner: GroupRunner,
-                        body: dict[str, Any]) -> web.StreamResponse:
-    group = group_by_name(runner.daemon, body.get("group"))
-    check_messages(body)
+def _group_name(body: dict[str, Any]) -> str:
+    name = body.get("group")
+    if not isinstance(name, str) or not name:
+        raise bad("'group' must be the name of a configured group", "group", "missing_group")
+    return name
+
+
+async def batch_execute(request: web.Request, runner: GroupRunner, body: dict[str, Any], *,
+                        admin: bool) -> web.StreamResponse:
+    group = group_by_name(runner.daemon, _group_name(body), admin=admin)
+    check_group_request(body)
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
-        return failed_response(exc)
+        return failed_response(exc, runner.daemon)
     return web.json_response(outcome.as_dict())
 
 
-async def chain_execute(request: web.Request, runner: GroupRunner,
-                        body: dict[str, Any]) -> web.StreamResponse:
-    check_messages(body)
+async def chain_execute(request: web.Request, runner: GroupRunner, body: dict[str, Any], *,
+                        admin: bool) -> web.StreamResponse:
+    check_group_request(body)
     if "group" in body:
-        group = group_by_name(runner.daemon, body["group"])
+        group = group_by_name(runner.daemon, _group_name(body), admin=admin)
         if group.type != "chain":
             group = _as_chain(group)
     else:
         group = _ad_hoc_chain(runner.daemon, body.get("models"))
-    check_template(body)
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
-        return failed_response(exc)
+        return failed_response(exc, runner.daemon)
     result = outcome.as_dict()
     result["steps"] = result.pop("responses")
     return web.json_response(result)
@@ -83,8 +112,10 @@ def _as_chain(group: GroupSpec) -> GroupSpec:
 
 def _ad_hoc_chain(daemon: Daemon, models: object) -> GroupSpec:
     if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
-        raise ApiError(400, "give 'group' or 'models' (a list of model names)", "missing_models",
-                       param="models")
+        raise bad("give 'group' or 'models' (a list of model names)", "models", "missing_models")
+    if len(models) > MAX_CHAIN_MODELS:
+        raise bad(f"'models' names {len(models)} steps; a chain has at most {MAX_CHAIN_MODELS}",
+                  "models", "too_many_models")
     canonical = []
     for name in models:
         canonical.append(daemon.instance(name).name)  # UnknownModel → 404
@@ -120,25 +151,23 @@ class _Completion:
               **extra: Any) -> bytes:
         choices = [] if delta is None else [{"index": 0, "delta": delta,
                                              "finish_reason": finish}]
-        payload = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                   "model": self.group.name, "choices": choices, **extra}
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+        return sse.frame({"id": self.id, "object": "chat.completion.chunk",
+                          "created": self.created, "model": self.group.name,
+                          "choices": choices, **extra})
 
 
 async def chat_with_group(request: web.Request, runner: GroupRunner, group: GroupSpec,
                           body: dict[str, Any]) -> web.StreamResponse:
-    check_messages(body)
-    if group.type == "chain":
-        check_template(body)  # an exposed chain takes a request's template too
+    check_group_request(body)  # an exposed chain takes a request's template too
     completion = _Completion(group)
     if not body.get("stream"):
         try:
             outcome = await runner.run(group, body)
         except GroupFailed as exc:
-            return failed_response(exc)
+            return failed_response(exc, runner.daemon)
         return web.json_response(completion.whole(outcome))
 
-    response = web.StreamResponse(headers=sse_headers())
+    response = web.StreamResponse(headers=sse.sse_headers())
     try:
         if group.type == "consensus":
             async def relay_synthesis(outcome: GroupOutcome) -> None:
@@ -153,15 +182,14 @@ async def chat_with_group(request: web.Request, runner: GroupRunner, group: Grou
             await response.write(completion.chunk({}, finish="stop"))
     except GroupFailed as exc:
         if not response.prepared:
-            return failed_response(exc)
-        await response.write(b"data: " + json.dumps({"error": {
-            "message": str(exc), "type": "server_error", "code": "group_failed"}}).encode()
-            + b"\n\n")
+            return failed_response(exc, runner.daemon)
+        code = "shutting_down" if runner.daemon.closing else "group_failed"
+        await response.write(sse.error_event(str(exc), code=code))
         await response.write_eof()
         return response
     await response.write(completion.chunk(None, usage=outcome.usage(),
                                           corral_group=outcome.as_dict()))
-    await response.write(b"data: [DONE]\n\n")
+    await response.write(sse.DONE)
     await response.write_eof()
     return response
 
@@ -171,51 +199,69 @@ async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
                             body: dict[str, Any], outcome: GroupOutcome) -> None:
     """Relay the synthesizer's own token stream, renamed to the group, as it is written."""
     group = outcome.group
-    assert group.synthesizer
-    payload = {**runner.synthesis_body(group, body, outcome), "model": group.synthesizer,
-               "stream": True}
-    lease = None
-    try:
-        async with asyncio.timeout(group.member_timeout):  # until its first byte
-            lease = await runner.daemon.acquire(group.synthesizer)
-            upstream = await open_upstream(runner.session, lease.base_url + CHAT_PATH,
-                                           group.synthesizer, json=payload)
-    except BaseException as exc:
-        if lease is not None:
-            if isinstance(exc, UpstreamFailed):
-                await lease.upstream_broke()
-            lease.release()
-        if isinstance(exc, (TimeoutError, SupervisorError, UpstreamFailed)):
-            raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
-                              f"{exc or type(exc).__name__}", outcome) from exc
-        raise
+    model = group.synthesizer
+    assert model
+    payload = {**runner.synthesis_body(group, body, outcome), "model": model, "stream": True}
     text: list[str] = []
     try:
-        if upstream.status != 200:
-            detail = (await upstream.read()).decode(errors="replace")[:300]
-            raise GroupFailed(f"group {group.name!r}: synthesizer answered "
-                              f"HTTP {upstream.status}: {detail}", outcome)
-        await response.prepare(request)
-        try:
-            async for line in upstream.content:
-                if not line.startswith(b"data: {"):
-                    continue  # blank separators, pings, and its own [DONE]
-                event = json.loads(line[6:])
-                event["model"] = group.name
-                event["id"] = completion.id  # one id for the whole stream, details included
-                for choice in event.get("choices") or []:
-                    text.append((choice.get("delta") or {}).get("content") or "")
-                if event.get("usage"):
-                    outcome.extra_usage.append(event["usage"])
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        except (*UPSTREAM_BROKE, ValueError) as exc:
-            raise GroupFailed(f"group {group.name!r}: synthesizer broke off: {exc}",
-                              outcome) from exc
-    except BaseException:
-        upstream.close()
-        raise
-    finally:
-        lease.release()
-    upstream.release()
+        # member_timeout bounds the wait for its first byte (its start included), not the
+        # answer, which streams to the client as long as it streams.
+        async with asyncio.timeout(group.member_timeout) as first_byte, \
+                leased(runner.daemon, model) as lease:
+            upstream = await open_upstream(runner.session, lease.base_url + CHAT_PATH, model,
+                                           lease, json=payload)
+            first_byte.reschedule(None)
+            try:
+                await _expect_ok(upstream, model)
+                await response.prepare(request)
+                async with contextlib.aclosing(_events(upstream, model)) as events:
+                    async for event in events:
+                        _rename(event, group.name, completion.id, text, outcome)
+                        await response.write(sse.frame(event))
+            except BaseException:
+                upstream.close()  # the child must see the hang-up (and drop the generation)
+                raise
+            upstream.release()
+    except (TimeoutError, SupervisorError, UpstreamFailed) as exc:
+        raise GroupFailed(f"group {group.name!r}: synthesizer {model} failed: "
+                          f"{exc or type(exc).__name__}", outcome) from exc
     outcome.final = "".join(text)
 
+
+async def _expect_ok(upstream: aiohttp.ClientResponse, model: str) -> None:
+    if upstream.status == 200:
+        return
+    try:
+        detail = (await upstream.read()).decode(errors="replace")[:300]
+    except UPSTREAM_BROKE as exc:
+        detail = str(exc) or type(exc).__name__
+    raise UpstreamRejected(f"{model} answered HTTP {upstream.status}: {detail}")
+
+
+async def _events(upstream: aiohttp.ClientResponse, model: str,
+                  ) -> AsyncGenerator[dict[str, Any], None]:
+    """The JSON events of a child's SSE answer. Only reading happens in here, so a broken
+    stream raised from here is the child's failure; writing to the client happens in the
+    caller, where a client that hung up raises its own error, never counted against the
+    child."""
+    try:
+        async for line in upstream.content:
+            if line.startswith(b"data: {"):  # skip blank separators, pings, its own [DONE]
+                event = json.loads(line[6:])
+                if isinstance(event, dict):
+                    yield event
+    except (*UPSTREAM_BROKE, ValueError) as exc:
+        raise UpstreamFailed(f"{model} broke off its stream: "
+                             f"{exc or type(exc).__name__}") from exc
+
+
+def _rename(event: dict[str, Any], group: str, stream_id: str, text: list[str],
+            outcome: GroupOutcome) -> None:
+    """One synthesizer event as the group's own: its name, one id for the whole stream."""
+    event["model"] = group
+    event["id"] = stream_id
+    for choice in event.get("choices") or []:
+        if isinstance(choice, dict):
+            text.append((choice.get("delta") or {}).get("content") or "")
+    if event.get("usage"):
+        outcome.extra_usage.append(event["usage"])

@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from corral.proxy.errors import UpstreamFailed, UpstreamRejected
+from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
+from corral.proxy.upstream import leased
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
@@ -169,18 +170,9 @@ class GroupRunner:
                                 finished_at=now, **kw)
 
         try:
-            async with asyncio.timeout(timeout):
-                lease = await self.daemon.acquire(model)
-                try:
-                    data = await post_json(self.session, lease.base_url + CHAT_PATH,
-                                           {**body, "model": model, "stream": False}, model)
-                except UpstreamRejected:
-                    raise
-                except UpstreamFailed:
-                    await lease.upstream_broke()
-                    raise
-                finally:
-                    lease.release()
+            async with asyncio.timeout(timeout), leased(self.daemon, model) as lease:
+                data = await post_json(self.session, lease.base_url + CHAT_PATH,
+                                       {**body, "model": model, "stream": False}, model, lease)
         except TimeoutError:
             return result("timeout", error=f"no answer within {timeout:g}s (cancelled)")
         except (SupervisorError, UpstreamFailed) as exc:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from corral.proxy.errors import UnknownGroup
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import UnknownModel
@@ -43,17 +44,13 @@ def resolve(daemon: Daemon, name: str) -> ModelTarget | GroupTarget:
     raise UnknownModel(name, sorted([*daemon.instances, *exposed_groups(daemon)]))
 
 
-def group_by_name(daemon: Daemon, name: object) -> GroupSpec:
-    """Groups named in /v1/batch or /v1/chain bodies (exposed or not)."""
-    group = daemon.loaded.groups.get(name) if isinstance(name, str) else None
+def group_by_name(daemon: Daemon, name: str, *, admin: bool) -> GroupSpec:
+    """A group named in a /v1/batch or /v1/chain body. Groups exposed as models are anyone's
+    (like the models themselves); the others are the operator's: without an admin key they
+    do not exist, exactly as they do not exist in /v1/models or as a chat `model`."""
+    runnable = {n: g for n, g in daemon.loaded.groups.items() if admin or g.expose_as_model}
+    group = runnable.get(name)
     if group is None:
-        raise UnknownGroup(str(name), sorted(daemon.loaded.groups))
+        hint = "" if admin else " (groups not exposed as models need an admin key)"
+        raise UnknownGroup(name, sorted(runnable), hint)
     return group
-
-
-class UnknownGroup(UnknownModel):
-    code = "group_not_found"
-
-    def __init__(self, name: str, known: list[str]):
-        super().__init__(name, known)
-        self.args = (f"group {name!r} does not exist; groups: {', '.join(known) or 'none'}",)

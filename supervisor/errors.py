@@ -1,58 +1,44 @@
-"""Errors the supervisor raises through acquire(); the proxy maps each to an HTTP status."""
+"""Errors the supervisor raises through acquire(). They say what happened and carry its data
+(a message, seconds until a retry may succeed, a child's last log lines); proxy/errors.py
+decides what each means in HTTP."""
 
 from __future__ import annotations
 
+_NAME_SHOWN = 100  # characters of a requested name repeated in a message (names are input)
+
 
 class SupervisorError(RuntimeError):
-    status = 500
-    code = "internal_error"
-    kind = "server_error"
-    retry_after: float | None = None
+    retry_after: float | None = None  # seconds after which the same request may succeed
 
 
 class UnknownModel(SupervisorError):
-    status = 404
-    code = "model_not_found"
-    kind = "invalid_request_error"
-
     def __init__(self, name: str, known: list[str]):
         self.name = name
         self.known = known
-        super().__init__(f"model {name!r} does not exist; available: {', '.join(known) or 'none'}")
+        super().__init__(f"model {shown(name)} does not exist; "
+                         f"available: {', '.join(known) or 'none'}")
 
 
 class QueueFull(SupervisorError):
-    status = 429
-    code = "queue_full"
-    kind = "rate_limit_error"
     retry_after = 1.0
 
 
 class QueueTimeout(SupervisorError):
-    status = 503
-    code = "queue_timeout"
     retry_after = 5.0
 
 
 class NoCapacity(SupervisorError):
     """Every loaded model is busy and max_loaded forbids another."""
 
-    status = 503
-    code = "no_capacity"
     retry_after = 5.0
 
 
 class ShuttingDown(SupervisorError):
-    status = 503
-    code = "shutting_down"
     retry_after = 5.0
 
 
 class StartBackoff(SupervisorError):
     """The model's last start failed; corral waits (exponentially longer) before the next."""
-
-    status = 503
-    code = "model_start_backoff"
 
     def __init__(self, message: str, retry_after: float):
         self.retry_after = max(retry_after, 0.001)
@@ -60,18 +46,29 @@ class StartBackoff(SupervisorError):
 
 
 class StartFailed(SupervisorError):
-    """The child could not be started or exited before it was ready."""
-
-    status = 502
-    code = "model_start_failed"
+    """The child could not be started or exited before it was ready. `tail` holds its last
+    log lines, for operators (daemon log, admin API): they stay out of the message, which
+    clients see."""
 
     def __init__(self, message: str, tail: list[str] | None = None):
         self.tail = tail or []
-        if self.tail:
-            message += "\nlast log lines:\n" + "\n".join(self.tail[-10:])
-        super().__init__(message)
+        super().__init__(_without_log_lines(message, self.tail))
 
 
 class StartTimedOut(StartFailed):
-    status = 504
-    code = "model_start_timeout"
+    pass
+
+
+def shown(name: str) -> str:
+    """A requested name as messages quote it: repr, cut short (a name can be 1 MB of input)."""
+    if len(name) <= _NAME_SHOWN:
+        return repr(name)
+    return repr(name[:_NAME_SHOWN]) + f"… ({len(name)} characters)"
+
+
+def _without_log_lines(message: str, tail: list[str]) -> str:
+    # A message built as "<what happened>: <its last log line>" keeps only what happened.
+    for line in tail:
+        if line.strip() and message.endswith(": " + line):
+            return message[:-len(line) - 2]
+    return message

@@ -155,7 +155,8 @@ def test_api_keys_guard_v1_and_admin(start_corral, tiny_models):
     assert httpx.get(corral.url + "/health").status_code == 200  # for load balancers
 
 
-def test_start_failure_is_502_with_log_lines(start_corral, tiny_models, tmp_path):
+def test_start_failure_is_502_and_keeps_log_lines_for_admins(start_corral, tiny_models,
+                                                              tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF this is not a model")
     config = tiny_config(tiny_models)
@@ -165,7 +166,7 @@ def test_start_failure_is_502_with_log_lines(start_corral, tiny_models, tmp_path
     assert resp.status_code == 502
     error = resp.json()["error"]
     assert error["code"] == "model_start_failed"
-    assert "exited with code" in error["message"] and "last log lines" in error["message"]
+    assert "exited with code" in error["message"] and "last log lines" not in error["message"]
     state = corral.model("broken")
     assert state["state"] == "failed" and state["last_error"]
     logs = corral.http.get("/admin/models/broken/logs").json()

@@ -1,0 +1,33 @@
+"""Server-sent events the way the OpenAI streaming API writes them: one `data:` line per JSON
+object, a blank line after each, and `data: [DONE]` at the end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from corral.proxy import request_id
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_headers() -> dict[str, str]:
+    return {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",  # tell an nginx in front of us not to buffer either
+    }
+
+
+def frame(payload: Mapping[str, Any]) -> bytes:
+    """One event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def error_event(message: str, code: str = "upstream_failed") -> bytes:
+    """An error delivered inside an already-started stream (the status line is gone). The
+    OpenAI SDKs raise APIError on an event carrying an `error` object. Same shape as the
+    error bodies in proxy/errors.py (which imports this module, hence not shared code)."""
+    return frame({"error": {"message": request_id.tagged(message), "type": "server_error",
+                            "code": code, "param": None}})

@@ -1,0 +1,45 @@
+"""acquire → use → release: the one way a handler talks to a child."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import structlog
+
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected
+from corral.supervisor.daemon import Daemon
+from corral.supervisor.errors import StartFailed
+from corral.supervisor.instance import Lease
+
+log = structlog.get_logger("corral.proxy")
+
+
+@contextlib.asynccontextmanager
+async def leased(daemon: Daemon, model: str) -> AsyncIterator[Lease]:
+    """A lease on `model` for the block, released however the block ends.
+
+    UpstreamFailed raised in the block is the child's doing: unless the child answered (an
+    HTTP error from a live child), it is checked at once, so a dead one is marked failed and
+    the next request starts a fresh one instead of leasing a dead port. Anything else (a
+    client that hung up, a cancellation) says nothing about the child."""
+    try:
+        lease = await daemon.acquire(model)
+    except StartFailed as exc:
+        # The child's last lines go to the daemon log, under this request's id; the client
+        # gets the message only (and the admin API keeps the lines).
+        log.warning("proxy.start_failed", model=model, error=str(exc), tail=exc.tail[-10:])
+        raise
+    try:
+        yield lease
+    except UpstreamRejected as exc:
+        log.info("proxy.upstream_rejected", model=model, error=str(exc))
+        raise
+    except UpstreamFailed as exc:
+        await lease.upstream_broke()
+        # The child's own words (last_error may quote its log) stay here, in the daemon log.
+        log.warning("proxy.upstream_failed", model=model, pid=lease.instance.pid,
+                    error=str(exc), detail=lease.instance.last_error)
+        raise
+    finally:
+        lease.release()

@@ -1,0 +1,125 @@
+"""The shapes of request fields the proxy reads or passes to several models, checked before
+anything starts: a malformed request gets a 400 that names the field (`param`), never a 500
+from deep inside a handler, and never a model started for a request it cannot serve."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from corral.proxy.errors import ApiError
+
+# Deeper JSON than this is refused: nothing OpenAI-shaped needs it (tool schemas included),
+# and Python's recursion limit would end the request somewhere far from the parser.
+MAX_DEPTH = 64
+# Sampling fields that must be numbers when given (null means "the default", as in OpenAI).
+NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
+                 "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty")
+
+
+def bad(message: str, param: str | None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, code, param=param)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Strict JSON (UTF-8, no NaN/Infinity, bounded depth) whose top level is an object."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and integers past Python's 4300-digit limit.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise ApiError(400, f"request body is not valid JSON: {reason}", "invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    if _too_deep(body):
+        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep",
+                       "invalid_json")
+    return body
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _too_deep(value: Any) -> bool:
+    # Iterative: a recursive walk would need the very stack depth we are guarding.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """Numbers where numbers are expected, a boolean `stream`, and `tools` as OpenAI shapes
+    them (llama-server answers a malformed `tools` with a 500)."""
+    for field in NUMBER_FIELDS:
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise bad(f"'{field}' must be a number", field)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be true or false", "stream")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list of tools", "tools")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+                raise bad(f"tools[{i}] must be an object with a string 'type'", f"tools[{i}]")
+
+
+def check_messages(body: dict[str, Any], *, required: bool) -> list[dict[str, Any]]:
+    """Chat messages: objects with a string `role` and string or content-part-list `content`
+    (absent or null only for an assistant turn, which may carry tool calls instead)."""
+    messages = body.get("messages")
+    if messages is None and not required:
+        return []
+    if not isinstance(messages, list) or (required and not messages):
+        raise bad("'messages' must be a non-empty list of chat messages", "messages",
+                  "invalid_messages")
+    for i, message in enumerate(messages):
+        _check_message(message, f"messages[{i}]")
+    return messages
+
+
+def _check_message(message: object, where: str) -> None:
+    if not isinstance(message, dict):
+        raise bad(f"{where} must be an object with 'role' and 'content'", where,
+                  "invalid_messages")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise bad(f"{where}.role must be a string", f"{where}.role", "invalid_messages")
+    for key in ("name", "tool_call_id"):
+        if key in message and not isinstance(message[key], str):
+            raise bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_messages")
+    if "tool_calls" in message and not isinstance(message["tool_calls"], list):
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls",
+                  "invalid_messages")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        return
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            _check_part(part, f"{where}.content[{j}]")
+    elif not isinstance(content, str):
+        raise bad(f"{where}.content must be a string or a list of content parts",
+                  f"{where}.content", "invalid_messages")
+
+
+def _check_part(part: object, where: str) -> None:
+    if not isinstance(part, dict):
+        raise bad(f"{where} must be an object like {{\"type\": \"text\", \"text\": ...}}",
+                  where, "invalid_messages")
+    for key in ("type", "text"):
+        if key in part and not isinstance(part[key], str):
+            raise bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_messages")

@@ -1,0 +1,260 @@
+"""Fuzzing every POST endpoint of one real corral (real llama-server children on tiny models):
+random JSON shapes, wrong types, ~1 MB strings, invalid UTF-8, deep nesting, wrong content
+types, hostile model names. Never a 500, only documented statuses, every error in the OpenAI
+shape, and the daemon healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import strategies as st
+
+from conftest import Corral, tiny_config
+
+KEY = "fuzz-key"
+HI = [{"role": "user", "content": "hi"}]
+V1_POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/batch/execute",
+            "/v1/chain/execute"]
+DOCUMENTED = {200, 400, 401, 404, 413, 429, 502, 503, 504}
+REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# No shrinking: every example is a round trip to a real daemon, and shrinking one failure
+# takes minutes (past pytest's timeout, which would lose the example); it is reported as found.
+FUZZ = settings(deadline=None, database=None, print_blob=True,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.large_base_example])
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module, tiny_models) -> Corral:
+    """One daemon for the whole module: thousands of requests, one start."""
+    config = tiny_config(tiny_models, ["tiny-a", "tiny-b"], api_keys=[KEY], max_body_mb=4)
+    for model in config["models"].values():
+        model["ctx"] = 1024  # a valid request's prompt and its two tokens fit; more is refused
+    config["groups"] = {"pair": {"models": ["tiny-a", "tiny-b"], "expose_as_model": True,
+                                 "fallback": "partial"},
+                        "pipe": {"models": ["tiny-a", "tiny-b"], "type": "chain"}}
+    return start_corral_module(config, api_key=KEY)
+
+
+def check(resp: httpx.Response, sent_id: str | None = None) -> None:
+    """What every answer to anything must look like."""
+    status = resp.status_code
+    assert status in DOCUMENTED, (status, resp.text[:500])
+    rid = resp.headers.get("x-request-id", "")
+    assert REQUEST_ID.fullmatch(rid), resp.headers
+    if sent_id is not None and REQUEST_ID.fullmatch(sent_id):
+        assert rid == sent_id
+    if status == 200:
+        return
+    assert resp.headers["content-type"].startswith("application/json"), resp.text[:300]
+    error = resp.json()["error"]
+    assert isinstance(error, dict) and set(error) >= {"message", "type", "code", "param"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    if status >= 500:
+        assert error["message"].endswith(f"(request id {rid})"), error["message"]
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**63)
+          | st.floats(allow_nan=False) | st.text(max_size=24))
+json_values = st.recursive(
+    leaves, lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=16)
+names = st.sampled_from(["tiny-a", "tiny-b", "pair", "pipe", "nope", "", "TINY-A"]) | st.text(
+    max_size=30)
+parts = st.lists(st.fixed_dictionaries({"type": st.just("text") | json_values,
+                                        "text": st.text(max_size=30) | json_values}),
+                 max_size=2)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]) | json_values},
+    optional={"content": st.text(max_size=40) | parts | json_values, "name": json_values,
+              "tool_calls": json_values})
+FIELDS = {
+    "model": names | json_values,
+    "messages": st.lists(message, min_size=1, max_size=3) | json_values,
+    "max_tokens": json_values,
+    "temperature": st.floats(0, 2) | json_values,
+    "stream": st.booleans() | json_values,
+    "group": st.sampled_from(["pair", "pipe", "nope"]) | json_values,
+    "models": st.lists(names, max_size=3) | json_values,
+    "template": st.sampled_from(["{previous}!", "{input} {previous}", "{nope}", "{"])
+    | json_values,
+    "prompt": st.text(max_size=30) | json_values,
+    "input": st.text(max_size=30) | st.lists(st.text(max_size=8), max_size=2) | json_values,
+    "n": json_values,
+    "stop": json_values,
+    "tools": json_values,
+}
+bodies = st.builds(lambda known, extra: {**extra, **known},
+                   st.fixed_dictionaries({}, optional=FIELDS),
+                   st.dictionaries(st.text(max_size=10), json_values, max_size=2))
+auth = st.sampled_from([f"Bearer {KEY}"] * 6 + ["", "Bearer nope", f"Basic {KEY}",
+                                                 f"bearer {KEY}", "Bearer"])
+request_ids = st.none() | st.sampled_from(["fuzz-1", "a" * 64, "a" * 65, "x y", "é"]) | st.text(
+    st.characters(min_codepoint=33, max_codepoint=126), max_size=70)
+
+
+VALID = {
+    "/v1/chat/completions": st.fixed_dictionaries({
+        "model": st.sampled_from(["tiny-a", "tiny-b", "pair"]), "messages": st.just(HI)}),
+    "/v1/completions": st.fixed_dictionaries({"model": st.just("tiny-b"),
+                                              "prompt": st.just("hi")}),
+    "/v1/embeddings": st.fixed_dictionaries({"model": st.just("tiny-a"),
+                                             "input": st.just("hi")}),
+    "/v1/batch/execute": st.fixed_dictionaries({"group": st.sampled_from(["pair", "pipe"]),
+                                                "messages": st.just(HI)}),
+    "/v1/chain/execute": st.fixed_dictionaries({"group": st.just("pipe"),
+                                                "messages": st.just(HI)})
+    | st.fixed_dictionaries({"models": st.lists(st.sampled_from(["tiny-a", "tiny-b"]),
+                                                min_size=1, max_size=2),
+                             "messages": st.just(HI)}),
+}
+
+
+@st.composite
+def near_valid(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid request for an endpoint with a field or two changed, added or dropped: the
+    random bodies alone almost never get past the first check to the children."""
+    endpoint = draw(st.sampled_from(V1_POSTS))
+    body = dict(draw(VALID[endpoint]))
+    for field in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=2, unique=True)):
+        if draw(st.booleans()) and field in body:
+            del body[field]
+        else:
+            body[field] = draw(FIELDS[field])
+    return endpoint, {"max_tokens": 2, "stream": draw(st.booleans()), **body}
+
+
+def seen(resp: httpx.Response) -> httpx.Response:
+    event(f"HTTP {resp.status_code}")  # pytest --hypothesis-show-statistics shows the mix
+    return resp
+
+
+def tame(body: dict[str, Any]) -> dict[str, Any]:
+    """Whatever else is random, a valid request generates two tokens, not thousands."""
+    for field, small in (("max_tokens", 2), ("n", 1)):
+        value = body.get(field)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            body[field] = small
+    return body
+
+
+def headers(authorization: str, request_id: str | None,
+            content_type: str = "application/json") -> dict[str, str | bytes]:
+    out: dict[str, str | bytes] = {"Authorization": authorization, "Content-Type": content_type}
+    if request_id is not None:
+        out["X-Request-Id"] = request_id.encode()  # as a client may send it: any bytes
+    return out
+
+
+MB = 1_000_000
+# ~1 MB strings go where corral itself must cope with them. A prompt that size is not sent to
+# a child: llama-server's tokenizer is quadratic on these tiny models' vocabulary (100 kB takes
+# 2.4 s, 1 MB minutes), which is the child's cost, not corral's.
+HUGE = [
+    {"model": "x" * MB, "messages": HI},
+    {"group": "g" * MB, "messages": HI},
+    {"models": ["tiny-a"], "messages": HI, "template": "{" + "t" * MB},
+    {"model": "tiny-a", "messages": [{"role": "r" * MB, "content": 5}]},
+    {"k" * MB: 1, "model": "nope"},
+    {"model": "tiny-a", "messages": [{"role": "user", "content": "x" * 50_000}],
+     "max_tokens": 2},
+    {"model": "tiny-a", "padding": "p" * (5 * MB)},  # over max_body_mb: 413
+]
+RAW_SHAPES = [
+    b"[" * 100_000,  # measured: RecursionError → plain 500
+    b'{"a":' * 100_000,
+    b'{"model": "tiny-a", "messages": ' + b"[" * 900 + b"]" * 900 + b"}",
+    json.dumps({"messages": ["x"], "models": ["tiny-a"]}).encode(),  # measured: plain 500
+    json.dumps({"messages": ["x"], "group": "pipe"}).encode(),
+    *(json.dumps(body).encode() for body in HUGE),
+    b'{"model": "tiny-a", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+    b'{"model": "tiny-a", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+    b'{"model": "tiny-a", "max_tokens": NaN}',
+    b'{"model": "tiny-a", "max_tokens": 1e999}',
+    b'{"model": "tiny-a", "max_tokens": 1' + b"0" * 5000 + b"}",
+    "\ufeff{}".encode(),
+    '{"model": "tiny-a"}'.encode("utf-16"),
+    b"",
+    b"null",
+    b'"string"',
+    b"model=tiny-a&messages=hi",
+    b"--zz\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntiny-a\r\n--zz--\r\n",
+]
+CONTENT_ENCODINGS = [None, None, None, "gzip", "deflate", "br", "identity", "bogus"]
+CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
+                 "multipart/form-data; boundary=zz", "application/json; charset=utf-16", "",
+                 "application/octet-stream"]
+HOSTILE_NAMES = ["..", "../tiny-a", "tiny-a/../tiny-b", "%2e%2e", "tiny-a%00", "tiny-a\x00",
+                 "ü", "🦙", " ", "tiny-a?x=1", "tiny-a#frag", "a" * 4000, "tiny-a\n", "%ff%fe",
+                 "${HOME}", "tiny-a.gguf", "/etc/passwd", "\\..\\"]
+
+
+# -- the fuzzing -------------------------------------------------------------------------------
+
+@settings(FUZZ, max_examples=600)
+@given(endpoint=st.sampled_from(V1_POSTS), body=bodies, authorization=auth, rid=request_ids)
+def test_random_json_bodies(corral: Corral, endpoint: str, body: dict[str, Any],
+                            authorization: str, rid: str | None) -> None:
+    raw = json.dumps(tame(body)).encode()
+    check(seen(corral.http.post(endpoint, content=raw, headers=headers(authorization, rid))),
+          rid)
+
+
+@settings(FUZZ, max_examples=1000)
+@given(request=near_valid(), authorization=auth)
+def test_nearly_valid_bodies(corral: Corral, request: tuple[str, dict[str, Any]],
+                             authorization: str) -> None:
+    endpoint, body = request
+    raw = json.dumps(tame(body)).encode()
+    check(seen(corral.http.post(endpoint, content=raw, headers=headers(authorization, None))))
+
+
+@settings(FUZZ, max_examples=400)
+@given(endpoint=st.sampled_from(V1_POSTS),
+       raw=st.sampled_from(RAW_SHAPES) | st.binary(max_size=300),
+       content_type=st.sampled_from(CONTENT_TYPES),
+       encoding=st.sampled_from(CONTENT_ENCODINGS))
+def test_raw_bytes_and_content_types(corral: Corral, endpoint: str, raw: bytes,
+                                     content_type: str, encoding: str | None) -> None:
+    sent = headers(f"Bearer {KEY}", None, content_type)
+    if encoding:
+        sent["Content-Encoding"] = encoding  # a claim the bytes do not honour
+    check(seen(corral.http.post(endpoint, content=raw, headers=sent)))
+
+
+@settings(FUZZ, max_examples=250)
+@given(name=st.sampled_from(HOSTILE_NAMES) | st.text(min_size=1, max_size=40),
+       action=st.sampled_from(["load", "unload", "unload?force=true"]),
+       encoded=st.booleans())
+def test_admin_load_unload_with_hostile_names(corral: Corral, name: str, action: str,
+                                              encoded: bool) -> None:
+    segment = quote(name, safe="") if encoded else quote(name, safe="/.%?#")
+    resp = corral.http.post(f"/admin/models/{segment}/{action}")
+    check(seen(resp))
+    if encoded:  # one path segment naming no model: nothing to load
+        assert resp.status_code == 404, resp.text[:300]
+
+
+def test_the_measured_shapes_and_the_daemon_after_all_that(corral: Corral) -> None:
+    deep = corral.http.post("/v1/chat/completions", content=b"[" * 100_000)
+    check(deep)
+    assert deep.status_code == 400
+    chained = corral.http.post("/v1/chain/execute", json={"messages": ["x"], "group": "pipe"})
+    check(chained)
+    assert chained.status_code == 400 and chained.json()["error"]["param"] == "messages[0]"
+
+    assert httpx.get(corral.url + "/health").status_code == 200
+    assert corral.chat("tiny-a", max_tokens=2).status_code == 200
+    batch = corral.http.post("/v1/batch/execute", json={"group": "pair", "messages": HI,
+                                                        "max_tokens": 2})
+    assert batch.status_code == 200 and batch.json()["complete"]
+    assert not corral.log_events("proxy.unhandled")
