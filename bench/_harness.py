@@ -380,3 +380,20 @@ def nginx_proxy(upstream: Endpoint) -> Iterator[Nginx | None]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def three_paths(model: Path, parallel: int, **config: object,
+                ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
+    """The ways to one child: direct, through corral and, when installed, through nginx;
+    with the pids whose CPU each proxy costs. Prints the code and machine notes."""
+    with corral_and_its_child(model, parallel, **config) as (proxied, child), \
+            nginx_proxy(child) as nginx:
+        urls = {"direct": child, "corral": proxied.endpoint}
+        pids = {"corral": [proxied.pid]}
+        if nginx:
+            urls["nginx"] = nginx.endpoint
+            pids["nginx"] = nginx.pids()
+        print(code_note())
+        print(f"machine: {machine_note()}")
+        yield urls, pids

@@ -32,13 +32,11 @@ from _harness import (
     NGINX_MISSING,
     RUN_CHAR,
     Endpoint,
-    code_note,
-    corral_and_its_child,
     cpu_seconds,
     machine_note,
-    nginx_proxy,
     percentile,
     spread,
+    three_paths,
     tiny_model_with_runs,
 )
 
@@ -109,14 +107,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model_with_runs(Path(tmp))
-        with corral_and_its_child(model, 1) as (proxied, child), nginx_proxy(child) as nginx:
-            urls = {"direct": child, "corral": proxied.endpoint}
-            pids = {"corral": [proxied.pid]}
-            if nginx:
-                urls["nginx"] = nginx.endpoint
-                pids["nginx"] = nginx.pids()
-            print(code_note())
-            print(f"machine: {machine_note()}")
+        with three_paths(model, 1) as (urls, pids):
             lat, cpu = asyncio.run(measure(urls, pids, bodies, args.rounds))
             print(f"machine: {machine_note()}")
 

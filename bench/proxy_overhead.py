@@ -29,13 +29,11 @@ import aiohttp
 from _harness import (
     NGINX_MISSING,
     Endpoint,
-    code_note,
-    corral_and_its_child,
     cpu_seconds,
     machine_note,
-    nginx_proxy,
     percentile,
     spread,
+    three_paths,
     tiny_model,
 )
 
@@ -116,15 +114,7 @@ def main() -> None:
     per_round = max(1, args.requests // args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        with corral_and_its_child(model, args.concurrency, defaults={"max_queue": 1024}) \
-                as (proxied, child), nginx_proxy(child) as nginx:
-            urls = {"direct": child, "corral": proxied.endpoint}
-            pids = {"corral": [proxied.pid]}
-            if nginx:
-                urls["nginx"] = nginx.endpoint
-                pids["nginx"] = nginx.pids()
-            print(code_note())
-            print(f"machine: {machine_note()}")
+        with three_paths(model, args.concurrency, defaults={"max_queue": 1024}) as (urls, pids):
             lat_rounds, rps_rounds, cpu = asyncio.run(
                 measure(urls, pids, per_round, args.rounds, args.concurrency))
             print(f"machine: {machine_note()}")

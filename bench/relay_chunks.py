@@ -31,13 +31,11 @@ import aiohttp
 from _harness import (
     NGINX_MISSING,
     Endpoint,
-    code_note,
-    corral_and_its_child,
     cpu_seconds,
     machine_note,
-    nginx_proxy,
     percentile,
     spread,
+    three_paths,
     tiny_model,
 )
 
@@ -98,14 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        with corral_and_its_child(model, 1) as (proxied, child), nginx_proxy(child) as nginx:
-            urls = {"direct": child, "corral": proxied.endpoint}
-            pids = {"corral": [proxied.pid]}
-            if nginx:
-                urls["nginx"] = nginx.endpoint
-                pids["nginx"] = nginx.pids()
-            print(code_note())
-            print(f"machine: {machine_note()}")
+        with three_paths(model, 1) as (urls, pids):
             walls, all_gaps, events, cpu = asyncio.run(
                 measure(urls, pids, args.tokens, args.rounds))
             print(f"machine: {machine_note()}")

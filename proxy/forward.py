@@ -10,7 +10,8 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout, sse_error_event
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from corral.proxy.sse import error_event, sse_headers
 from corral.supervisor.instance import Lease
 
 log = structlog.get_logger("corral.proxy")
@@ -40,14 +41,6 @@ def new_upstream_session() -> aiohttp.ClientSession:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
-
-
-def sse_headers() -> dict[str, str]:
-    return {
-        "Content-Type": "text/event-stream",
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",  # tell an nginx in front of us not to buffer either
-    }
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -88,18 +81,18 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
         except UPSTREAM_BROKE as exc:
             raise UpstreamFailed(f"{model} dropped the request: "
                                  f"{exc or type(exc).__name__}") from exc
-    connection = response.connection
-    if connection is not None:
+    protocol = response.connection.protocol if response.connection is not None else None
+    if protocol is not None:
         if lease is not None:
             # The head is in: from here on, the longest silence allowed is idle_timeout.
-            connection.protocol.read_timeout = lease.instance.spec.idle_timeout
+            protocol.read_timeout = lease.instance.spec.idle_timeout
         if response.content_type == "text/event-stream":
             # llama-server closes the connection after every streamed answer while still
             # advertising keep-alive (no `Connection: close`), and aiohttp returns a
             # connection to the pool the moment the body ends: pooled, it fails the next
             # request ("Can not write request body"). Measured on 3,000 streams: 293 such
             # failures (each retried) with pooling, none with this.
-            connection.protocol.force_close()
+            protocol.force_close()
     return response
 
 
@@ -153,15 +146,22 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
     headers.update(sse_headers())
     response = web.StreamResponse(status=upstream.status, headers=headers)
     await response.prepare(request)
-    try:
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-    except UPSTREAM_BROKE as exc:
-        failure = _broken(model, exc, "mid-stream")
-        code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
-        log.warning("proxy.stream_broken", model=model, error=str(failure))
-        await response.write(sse_error_event(str(failure), code=code))
-        upstream.close()  # the child must see the hang-up (and drop the generation)
+    chunks = upstream.content.iter_any().__aiter__()
+    while True:
+        # Only the read from the child is the child's fault; a failed write to the client
+        # (it hung up) propagates as it is and cancels nothing but this relay.
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+        except UPSTREAM_BROKE as exc:
+            failure = _broken(model, exc, "mid-stream")
+            code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
+            log.warning("proxy.stream_broken", model=model, error=str(failure))
+            upstream.close()  # the child must see the hang-up (and drop the generation)
+            await response.write(error_event(str(failure), code=code))
+            break
+        await response.write(chunk)
     await response.write_eof()
     return response
 

@@ -23,6 +23,7 @@ from corral.proxy.upstream import leased
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
+from corral.supervisor.reservation import Reservation
 from corral.supervisor.templates import render_template
 
 log = structlog.get_logger("corral.groups")
@@ -183,7 +184,8 @@ class GroupRunner:
             return result("error", error=f"{model} answered without a message: {str(data)[:200]}")
         return result("ok", content=content, usage=data.get("usage"))
 
-    async def member(self, group: GroupSpec, model: str, body: dict[str, Any]) -> MemberResult:
+    async def member(self, group: GroupSpec, model: str, body: dict[str, Any],
+                     held: Reservation | None = None) -> MemberResult:
         """One member under the group's fallback rule."""
         first = await self.call(model, body, group.member_timeout)
         if first.ok:
@@ -199,6 +201,10 @@ class GroupRunner:
         if group.fallback == "replace_with" and backup:
             log.info("group.member_replaced", group=group.name, model=model, backup=backup,
                      error=first.error)
+            if held is not None and model in held.names:
+                # The failed member gives its place to the backup: held, it would keep the
+                # backup from starting when the group's members fill max_loaded.
+                held.swap(model, backup)
             stand_in = await self.call(backup, body, group.member_timeout)
             if stand_in.ok:
                 return replace(stand_in, status="replaced", replaced=model,
@@ -219,13 +225,13 @@ class GroupRunner:
         self.daemon.check_capacity(together, f"group {group.name!r}")
         body = member_body(request)
         started = time.monotonic()
-        with self.daemon.reserve(together):
+        with self.daemon.reserve(together) as held:
             if group.type == "chain":
                 responses = await self._chain(group, body, request.get("template"))
             elif group.type == "fan_out" and group.selector == "first_ok":
-                responses = await self._first_ok(group, body)
+                responses = await self._first_ok(group, body, held)
             else:
-                responses = await self._concurrent(group, body)
+                responses = await self._concurrent(group, body, held)
         outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
         self._enforce_fallback(outcome)
         if group.type == "fan_out":
@@ -243,12 +249,15 @@ class GroupRunner:
                  members=len(responses), wall_ms=round(outcome.wall_ms, 1))
         return outcome
 
-    async def _concurrent(self, group: GroupSpec, body: dict[str, Any]) -> list[MemberResult]:
+    async def _concurrent(self, group: GroupSpec, body: dict[str, Any],
+                          held: Reservation) -> list[MemberResult]:
         # Members run at once: the group takes as long as its slowest member, not the sum.
-        return list(await asyncio.gather(*(self.member(group, m, body) for m in group.models)))
+        return list(await asyncio.gather(*(self.member(group, m, body, held)
+                                           for m in group.models)))
 
-    async def _first_ok(self, group: GroupSpec, body: dict[str, Any]) -> list[MemberResult]:
-        tasks = [asyncio.create_task(self.member(group, m, body)) for m in group.models]
+    async def _first_ok(self, group: GroupSpec, body: dict[str, Any],
+                        held: Reservation) -> list[MemberResult]:
+        tasks = [asyncio.create_task(self.member(group, m, body, held)) for m in group.models]
         pending = set(tasks)
         try:
             while pending:

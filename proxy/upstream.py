@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from corral.proxy.errors import UpstreamFailed, UpstreamRejected
+from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import StartFailed
 from corral.supervisor.instance import Lease
@@ -37,6 +37,12 @@ async def leased(daemon: Daemon, model: str) -> AsyncIterator[Lease]:
         raise
     except UpstreamFailed as exc:
         await lease.upstream_broke()
+        if lease.instance.killed_as_unresponsive() and not isinstance(exc, UpstreamTimeout):
+            # Its connection was reset by the kill, but what the client waited on was a
+            # child that had stopped answering: a gateway timeout, said plainly.
+            log.warning("proxy.upstream_unresponsive", model=model, pid=lease.instance.pid)
+            raise UpstreamTimeout(f"{model} stopped answering and the health watchdog killed it; "
+                                  f"the next request starts it again") from exc
         # The child's own words (last_error may quote its log) stay here, in the daemon log.
         log.warning("proxy.upstream_failed", model=model, pid=lease.instance.pid,
                     error=str(exc), detail=lease.instance.last_error)

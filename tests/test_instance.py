@@ -60,8 +60,10 @@ def test_start_gives_up_after_the_second_lost_race(tiny_models, monkeypatch):
         inst = Instance(spec, LlamaServer(), on_change=lambda: None)
         async with aiohttp.ClientSession() as session:
             inst.begin_start(session, on_spawn=lambda _: None)
-            with pytest.raises(instance_module.StartFailed, match="couldn't bind"):
+            with pytest.raises(instance_module.StartFailed, match="exited") as failure:
                 await inst.wait_ready()
+            # The child's words travel beside the message (admin logs, daemon log), not in it.
+            assert any("couldn't bind" in line for line in failure.value.tail)
             assert inst.state is State.FAILED
 
     try:

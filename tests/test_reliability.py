@@ -154,3 +154,43 @@ def test_children_require_their_per_start_key(start_corral, tiny_models):
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     key = _environ(pid)["LLAMA_API_KEY"]
     assert len(key) >= 24 and key.encode() not in cmdline
+
+
+def test_embeddings_only_on_models_that_enable_them(start_corral, tiny_models):
+    config = tiny_config(tiny_models, names=["tiny-a", "tiny-b"])
+    config["models"]["tiny-b"]["embeddings"] = True
+    # A chat model's GGUF says pooling "none", which /v1/embeddings refuses: pick one.
+    config["models"]["tiny-b"]["args"] = ["--pooling", "mean"]
+    corral = start_corral(config)
+    refused = corral.http.post("/v1/embeddings", json={"model": "tiny-a", "input": "hello"})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "embeddings_disabled" and "embeddings: true" in error["message"]
+    assert corral.model("tiny-a")["state"] == "stopped"  # nothing was started for it
+    assert not corral.log_events("child.spawned")
+    vectors = corral.client().embeddings.create(model="tiny-b", input=["hello", "world"])
+    assert len(vectors.data) == 2
+    assert len(vectors.data[0].embedding) == 64  # the tiny model's n_embd
+    assert "--embeddings" in corral.log_events("child.spawned")[0]["argv"]
+
+
+def test_a_backup_takes_the_failed_members_place_under_max_loaded(start_corral, tiny_models):
+    # Both members are loaded and held, filling max_loaded 2. tiny-b (a 64-token context)
+    # refuses the long prompt; its backup tiny-c must still start, in tiny-b's place.
+    config = tiny_config(tiny_models, names=["tiny-a", "tiny-b", "tiny-c"],
+                         policy={"max_loaded": 2, "evict_timeout": 30})
+    config["models"]["tiny-b"]["ctx"] = 64
+    config["groups"] = {"g": {"models": ["tiny-a", "tiny-b"], "fallback": "replace_with",
+                              "replace_with": {"tiny-b": "tiny-c"}}}
+    corral = start_corral(config)
+    assert corral.http.post("/admin/models/tiny-b/load").status_code == 200
+    prompt = "x " * 400
+    began = time.monotonic()
+    resp = corral.http.post("/v1/batch/execute", json={
+        "group": "g", "max_tokens": 2, "messages": [{"role": "user", "content": prompt}]})
+    assert resp.status_code == 200, resp.text
+    assert time.monotonic() - began < 25  # not a wait for evict_timeout
+    members = {m["model"]: m for m in resp.json()["responses"]}
+    assert members["tiny-c"]["status"] == "replaced"
+    assert members["tiny-c"]["replaced"] == "tiny-b"
+    assert corral.model("tiny-b")["state"] == "stopped"  # evicted for its backup
