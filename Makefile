@@ -33,6 +33,7 @@ bench: demo-model nginx
 	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/cold_start.py
 	$(BIN)/python bench/group_parallel.py
+	$(BIN)/python bench/reload_latency.py
 
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.

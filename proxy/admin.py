@@ -1,12 +1,15 @@
-"""Admin API: state, load/unload, logs. Reads the supervisor's view; never counts as use."""
+"""Admin API: state, load/unload, logs, config and reload. Reads the supervisor's view; never
+counts as use."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
 from corral.supervisor.daemon import Daemon
+from corral.supervisor.errors import ShuttingDown
 
 
 def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
@@ -32,6 +35,28 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
                                 "lines": inst.process.tail(n) if inst.process else []}
         return web.json_response(body)
 
+    async def config(request: web.Request) -> web.Response:
+        return web.json_response(request.app[key].config_status())
+
+    async def reload(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        if daemon.closing:
+            raise ShuttingDown("corral is shutting down")
+        # The reload is the daemon's task: a client that hangs up does not stop it halfway.
+        attempt = await asyncio.shield(daemon.reload("admin"))
+        body: dict[str, Any] = attempt.as_dict()
+        if attempt.ok:
+            return web.json_response(body)
+        # The config on disk is invalid; the running one stays. 422: the request was fine,
+        # what it asked to load was not.
+        message = "the config is invalid; the running config stays active: " + "; ".join(
+            str(i) for i in attempt.issues)
+        body["error"] = {"message": message, "type": "invalid_request_error",
+                         "code": "invalid_config", "param": None}
+        return web.json_response(body, status=422)
+
+    app.router.add_get("/admin/config", config)
+    app.router.add_post("/admin/reload", reload)
     app.router.add_get("/admin/models", models)
     app.router.add_post("/admin/models/{name}/load", load)
     app.router.add_post("/admin/models/{name}/unload", unload)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    serve.add_argument("--no-watch", action="store_true",
+                       help="do not reload when the config files change (SIGHUP and "
+                            "POST /admin/reload still do)")
 
     check = sub.add_parser("check", help="validate config files; exit 1 on any error")
     check.add_argument("files", nargs="+", type=Path)
@@ -101,15 +106,33 @@ def _fetch_demo(models_dir: Path) -> int:
     return 0
 
 
+def _loader(args: argparse.Namespace) -> Callable[[], LoadedConfig]:
+    """How `serve` reads its config: at startup, and again at every reload."""
+    def load() -> LoadedConfig:
+        if not args.config:
+            return default_config(args.models_dir or Path("models"))
+        loaded = load_config(args.config)
+        return _with_models_dir(loaded, args.models_dir) if args.models_dir else loaded
+    return load
+
+
+def _reload_loader(args: argparse.Namespace, listen: str) -> Callable[[], LoadedConfig]:
+    """A reload reads the config like startup did, and refuses what startup would refuse."""
+    load = _loader(args)
+
+    def reload() -> LoadedConfig:
+        loaded = load()
+        exposure = admin_exposure_problem(loaded.config, listen)
+        if exposure:
+            raise ConfigError([loaded.issue(("listen",), exposure)], loaded.files)
+        return loaded
+    return reload
+
+
 def _serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
     try:
-        if args.config:
-            loaded = load_config(args.config)
-            if args.models_dir:
-                loaded = _with_models_dir(loaded, args.models_dir)
-        else:
-            loaded = default_config(args.models_dir or Path("models"))
+        loaded = _loader(args)()
     except ConfigError as exc:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
@@ -134,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    return uvloop.run(_run(loaded, host, port, state_file))
+    return uvloop.run(_run(loaded, host, port, state_file, _reload_loader(args, listen),
+                           watch=not args.no_watch))
 
 
 def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
@@ -142,17 +166,26 @@ def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
 
     config = loaded.config.model_copy(update={"models_dir": str(models_dir.resolve())})
     base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
-    return resolve(config, base, loaded.source, {})
+    # --models-dir wins over the file's models_dir; its line no longer says where it is.
+    lines = {loc: pos for loc, pos in loaded.lines.items() if loc[:1] != ("models_dir",)}
+    return resolve(config, base, loaded.source, lines, files=loaded.files,
+                   digest=loaded.digest)
 
 
-async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path) -> int:
+async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
+               loader: Callable[[], LoadedConfig], watch: bool) -> int:
     from aiohttp import web
 
     from corral.proxy.app import create_app
+    from corral.supervisor.config_watch import watch_config
     from corral.supervisor.daemon import Daemon
 
-    daemon = Daemon(loaded, state_file)
+    daemon = Daemon(loaded, state_file, config_loader=loader)
     await daemon.start()
+    loop = asyncio.get_running_loop()
+    # systemd's ExecReload sends SIGHUP. The reload is the daemon's task; the result goes to
+    # its log and GET /admin/config.
+    loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
     runner = web.AppRunner(create_app(daemon), handler_cancellation=True, access_log=None,
                            shutdown_timeout=loaded.config.shutdown_grace)
     await runner.setup()
@@ -167,13 +200,20 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path) -> 
     log.info("corral.listening", url=f"http://{host}:{port}", models=sorted(daemon.instances))
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(watch_config(daemon, stop), name="config-watch") \
+        if watch else None
     await stop.wait()
-    log.info("corral.shutting_down", grace=loaded.config.shutdown_grace)
+    loop.remove_signal_handler(signal.SIGHUP)
+    if watcher is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.wait([watcher]), 2)  # `stop` ends it
+        watcher.cancel()
+    grace = daemon.loaded.config.shutdown_grace  # the reloaded value, if any
+    log.info("corral.shutting_down", grace=grace)
     await site.stop()  # no new connections; open ones finish under the daemon's grace
-    await daemon.close(loaded.config.shutdown_grace)
+    await daemon.close(grace)
     await runner.cleanup()
     return 0
 

@@ -15,12 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from corral.supervisor.config_yaml import (
     ConfigError,
     ConfigIssue,
+    Document,
     Lines,
     Loc,
     dotted,
     issue_at,
     line_for,
-    read_yaml,
+    pos_for,
+    read_config_file,
+    read_config_text,
 )
 from corral.supervisor.discovery import discover
 from corral.supervisor.templates import template_problem
@@ -154,6 +157,8 @@ class GroupConfig(_Strict):
 
 
 class Config(_Strict):
+    include: list[str] = Field(
+        [], description="files merged in before this one (relative to it), in order")
     listen: str = "127.0.0.1:8080"
     models_dir: str | None = None
     api_keys: list[str] = []
@@ -248,8 +253,12 @@ class LoadedConfig:
     source: Path | None
     aliases: dict[str, str] = field(default_factory=dict)
     groups: dict[str, GroupSpec] = field(default_factory=dict)
-    # Line of every key in the file, for checks made after loading (`corral check`'s listen).
+    # File and line of every key, for checks made after loading (`corral check`'s listen).
     lines: Lines = field(default_factory=dict)
+    # Every file the config was read from (the main one first, then what it includes) and a
+    # hash of their contents: what a reload watches, and how /admin/config names a version.
+    files: tuple[Path, ...] = ()
+    digest: str = ""
 
     def issue(self, loc: Loc, message: str) -> ConfigIssue:
         return issue_at(str(self.source) if self.source else "<config>", self.lines, loc,
@@ -257,26 +266,28 @@ class LoadedConfig:
 
 
 def load_config(path: Path | str) -> LoadedConfig:
+    """The config at `path` (with its includes), validated whole: every problem, or none."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        issue = ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")
-        raise ConfigError([issue]) from exc
-    return parse_config(text, source=path)
+    return _validated(read_config_file(path), path)
 
 
 def parse_config(text: str, source: Path | None = None) -> LoadedConfig:
+    return _validated(read_config_text(text, source), source)
+
+
+def _validated(doc: Document, source: Path | None) -> LoadedConfig:
     filename = str(source) if source else "<config>"
-    data, lines = read_yaml(text, filename)
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(doc.data)
     except ValidationError as exc:
-        issues = [issue_at(filename, lines, tuple(err["loc"]), err["msg"])
+        issues = [issue_at(filename, doc.lines, tuple(err["loc"]), err["msg"])
                   for err in exc.errors()]
-        raise ConfigError(issues) from exc
+        raise ConfigError(issues, doc.files) from exc
     base_dir = source.parent.resolve() if source else Path.cwd()
-    return resolve(config, base_dir, source, lines)
+    try:
+        return resolve(config, base_dir, source, doc.lines, files=doc.files, digest=doc.digest)
+    except ConfigError as exc:
+        raise ConfigError(exc.issues, doc.files) from exc
 
 
 def default_config(models_dir: Path) -> LoadedConfig:
@@ -288,9 +299,17 @@ def _inherit(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines) -> LoadedConfig:
+def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
+            files: tuple[Path, ...] = (), digest: str = "") -> LoadedConfig:
     filename = str(source) if source else "<config>"
     issues: list[ConfigIssue] = []
+
+    def base_of(loc: Loc) -> Path:
+        # A relative path is relative to the file that wrote it: an included file's models
+        # sit beside that file, not beside the one including it.
+        pos = pos_for(loc, lines)
+        return Path(pos[0]).parent if pos and pos[0] != filename else base_dir
+
     d = config.defaults
     # Children that each spin every core livelock one another (llama.cpp's compute threads
     # busy-wait): 3 tiny models on 2 cores went from 0.3 s alone to 46 s together. Split the
@@ -301,7 +320,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines) -
         return ModelSpec(
             name=name,
             backend=m.backend,
-            model_path=_absolute(m.model, base_dir),
+            model_path=_absolute(m.model, base_of(("models", name, "model"))),
             aliases=tuple(m.aliases),
             ttl=_inherit(m.ttl, d.ttl),
             ctx=_inherit(m.ctx, d.ctx),
@@ -325,13 +344,13 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines) -
             start_backoff=_inherit(m.start_backoff, d.start_backoff),
             start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
             embeddings=m.embeddings,
-            mmproj=_absolute(m.mmproj, base_dir) if m.mmproj else None,
+            mmproj=_absolute(m.mmproj, base_of(("models", name, "mmproj"))) if m.mmproj else None,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}
     if config.models_dir:
         # Every model file not configured already is a model with all the defaults.
-        for found in discover(_absolute(config.models_dir, base_dir)):
+        for found in discover(_absolute(config.models_dir, base_of(("models_dir",)))):
             if found.name in models or any(s.model_path == found.path for s in models.values()):
                 continue
             models[found.name] = build(found.name, ModelConfig(
@@ -354,7 +373,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines) -
     if issues:
         raise ConfigError(issues)
     return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
-                        groups=groups, lines=lines)
+                        groups=groups, lines=lines, files=files, digest=digest)
 
 
 def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[str, str],

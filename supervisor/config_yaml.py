@@ -1,18 +1,22 @@
-"""The YAML side of config loading: parse with line numbers, expand ${VAR}, and the issue type
-every config error is reported as (file:line, dotted key, message)."""
+"""The YAML side of config loading: parse with line numbers, expand ${VAR}, merge `include:`d
+files, and the issue type every config error is reported as (file:line, dotted key, message)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 # A key path into the YAML document, e.g. ("models", "smol", "args", 0).
 Loc = tuple[str | int, ...]
-Lines = dict[Loc, int]
+# Where each key was written: (file, line). With `include:` one document comes from many files.
+Pos = tuple[str, int]
+Lines = dict[Loc, Pos]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -30,17 +34,28 @@ class ConfigIssue:
 
 
 class ConfigError(Exception):
-    def __init__(self, issues: list[ConfigIssue]):
+    def __init__(self, issues: list[ConfigIssue], files: tuple[Path, ...] = ()):
         self.issues = issues
+        # The files read (or tried) before the error: what a watcher keeps watching, so that
+        # fixing any of them (creating a missing include) reloads.
+        self.files = files
         super().__init__("\n".join(str(i) for i in issues))
+
+
+@dataclass(frozen=True)
+class Document:
+    """A config document as plain data, merged from its file and every file it includes."""
+
+    data: dict[str, Any]
+    lines: Lines
+    files: tuple[Path, ...]  # every file read, the including one first; () for a text
+    digest: str  # sha256 over what was read, in order: the same files, the same digest
 
 
 def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
     """The document as plain data with ${VAR} expanded, and the line of every key in it."""
     try:
-        # Composed separately: the node tree keeps the line numbers safe_load throws away.
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root, data = _parse(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
@@ -48,7 +63,7 @@ def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
         raise ConfigError([ConfigIssue(filename, line, "", f"invalid YAML: {problem}")]) from exc
     lines: Lines = {}
     if root is not None:
-        _collect_lines(root, (), lines)
+        _collect_lines(root, (), lines, filename)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -60,13 +75,33 @@ def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
     return data, lines
 
 
-def line_for(loc: tuple[Any, ...], lines: Lines) -> int | None:
-    """The line of `loc`, else of its nearest ancestor (a default has no line of its own)."""
+def pos_for(loc: tuple[Any, ...], lines: Lines) -> Pos | None:
+    """Where `loc` was written, else its nearest ancestor (a default has no line of its own)."""
     for cut in range(len(loc), -1, -1):
         hit = lines.get(tuple(loc[:cut]))
         if hit is not None:
             return hit
     return None
+
+
+# libyaml when PyYAML was built with it: a 100-model config parses in a few ms instead of ~50.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _parse(text: str) -> tuple[yaml.Node | None, Any]:
+    """The node tree (it keeps the line numbers plain data loses) and the data built from it,
+    in one parse."""
+    loader = _LOADER(text)
+    try:
+        root = loader.get_single_node()
+        return root, (loader.construct_document(root) if root is not None else None)
+    finally:
+        loader.dispose()
+
+
+def line_for(loc: tuple[Any, ...], lines: Lines) -> int | None:
+    pos = pos_for(loc, lines)
+    return pos[1] if pos else None
 
 
 def dotted(loc: tuple[Any, ...]) -> str:
@@ -77,21 +112,22 @@ def dotted(loc: tuple[Any, ...]) -> str:
 
 
 def issue_at(filename: str, lines: Lines, loc: tuple[Any, ...], message: str) -> ConfigIssue:
-    return ConfigIssue(filename, line_for(loc, lines), dotted(loc), message)
+    """An issue at `loc`, in the file that wrote it (`filename` when nothing did)."""
+    pos = pos_for(loc, lines)
+    return ConfigIssue(pos[0] if pos else filename, pos[1] if pos else None, dotted(loc), message)
 
 
-def _collect_lines(node: yaml.Node, path: Loc, out: Lines) -> None:
-    out.setdefault(path, node.start_mark.line + 1)
+def _collect_lines(node: yaml.Node, path: Loc, out: Lines, filename: str) -> None:
+    out.setdefault(path, (filename, node.start_mark.line + 1))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = (*path, str(key_node.value))
-            out[key] = key_node.start_mark.line + 1
-            _collect_lines(value_node, key, out)
+            _collect_lines(value_node, key, out, filename)
             # A key's own line wins over its value's (a block value starts on the next line).
-            out[key] = key_node.start_mark.line + 1
+            out[key] = (filename, key_node.start_mark.line + 1)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _collect_lines(item, (*path, i), out)
+            _collect_lines(item, (*path, i), out, filename)
 
 
 def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
@@ -115,3 +151,140 @@ def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
         return ""
 
     return _ENV_REF.sub(substitute, value)
+
+
+# -- include: -----------------------------------------------------------------------------------
+#
+# `include: [a.yaml, b.yaml]` (or one name) at the top of a file merges those files in first, in
+# order, each relative to the file that names it; the including file's own keys come last. Maps
+# merge key by key (an included file adds models or groups, the includer overrides one model's
+# ttl); any other value (a list, a string, a number) replaces what came before. Included files
+# may include others; a cycle is an error at the `include:` line that closes it.
+
+def read_config_file(path: Path) -> Document:
+    """The config at `path` with every file it includes merged in."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        issue = ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")
+        raise ConfigError([issue], (Path(os.path.abspath(path)),)) from exc
+    return _Reader().read(text, str(path), Path(os.path.abspath(path)))
+
+
+def read_config_text(text: str, source: Path | None = None) -> Document:
+    """Like read_config_file for a text already read (`source`: where includes are relative to,
+    and the name errors carry)."""
+    if source is None:
+        return _Reader().read(text, "<config>", None)
+    return _Reader().read(text, str(source), Path(os.path.abspath(source)))
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+        self.issues: list[ConfigIssue] = []
+        self.hash = hashlib.sha256()
+
+    def read(self, text: str, filename: str, path: Path | None) -> Document:
+        stack = (path.resolve(),) if path else ()
+        layer = self._layer(text, filename, path, stack, root=True)
+        files = tuple(dict.fromkeys(self.files))  # in order, once each
+        if self.issues or layer is None:
+            raise ConfigError(self.issues, files)
+        return Document(layer[0], layer[1], files, self.hash.hexdigest())
+
+    def _layer(self, text: str, filename: str, path: Path | None, stack: tuple[Path, ...],
+               root: bool) -> tuple[dict[str, Any], Lines] | None:
+        if path is not None:
+            self.files.append(path)
+        self.hash.update(f"{path or filename}\0{text}\0".encode())
+        try:
+            data, lines = read_yaml(text, filename)
+        except ConfigError as exc:
+            self.issues += exc.issues
+            return None
+        names = self._include_list(data, lines, filename)
+        if not names:
+            return data, lines
+        base_dir = path.parent if path else Path.cwd()
+        layers: list[tuple[dict[str, Any], Lines]] = []
+        for loc, name in names:
+            target = Path(os.path.abspath(base_dir / os.path.expanduser(name)))
+            if target.resolve() in stack:
+                chain = " → ".join(p.name for p in (*stack, target.resolve()))
+                self.issues.append(issue_at(filename, lines, loc, f"include cycle: {chain}"))
+                continue
+            try:
+                included = target.read_text()
+            except OSError as exc:
+                self.files.append(target)  # watched: creating it is the fix
+                self.issues.append(issue_at(filename, lines, loc,
+                                            f"cannot read {target}: {exc.strerror}"))
+                continue
+            layer = self._layer(included, str(target), target, (*stack, target.resolve()),
+                                root=False)
+            if layer is not None:
+                layers.append(layer)
+        if root:  # the top file's own list stays part of its config (shown by /admin/config)
+            data["include"] = [name for _, name in names]
+        layers.append((data, lines))
+        return _merge_layers(layers)
+
+    def _include_list(self, data: dict[str, Any], lines: Lines,
+                      filename: str) -> list[tuple[Loc, str]]:
+        value = data.pop("include", None)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [(("include",), value)]
+        if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+            return [(("include", i), v) for i, v in enumerate(value)]
+        self.issues.append(issue_at(filename, lines, ("include",),
+                                    "include must be a file name or a list of file names"))
+        return []
+
+
+def _merge_layers(layers: list[tuple[dict[str, Any], Lines]]) -> tuple[dict[str, Any], Lines]:
+    """Merge documents in order (later wins), keeping for every key the file:line it came from."""
+    merged: dict[str, Any] = {}
+    origin: dict[Loc, int] = {}  # at every merge or replacement point: the layer it came from
+    for index, (data, _) in enumerate(layers):
+        _merge_into(merged, data, (), index, origin)
+    lines: Lines = {}
+    _place(merged, (), len(layers) - 1, origin, layers, lines)
+    return merged, lines
+
+
+def _merge_into(base: dict[str, Any], over: dict[str, Any], path: Loc, index: int,
+                origin: dict[Loc, int]) -> None:
+    for key, value in over.items():
+        loc = (*path, str(key))
+        before = base.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            # Keys already there keep the layer they came from; the map itself is this one's.
+            earlier = origin.get(loc, index)
+            for existing in before:
+                origin.setdefault((*loc, str(existing)), earlier)
+            origin[loc] = index
+            _merge_into(before, value, loc, index, origin)
+            continue
+        origin[loc] = index
+        if isinstance(before, dict):  # a merged map replaced whole: forget where its keys were
+            for stale in [k for k in origin if len(k) > len(loc) and k[:len(loc)] == loc]:
+                del origin[stale]
+        base[key] = value
+
+
+def _place(value: Any, path: Loc, layer: int, origin: dict[Loc, int],
+           layers: list[tuple[dict[str, Any], Lines]], out: Lines) -> None:
+    layer = origin.get(path, layer)
+    pos = layers[layer][1].get(path)
+    if pos is not None:
+        out[path] = pos
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _place(item, (*path, str(key)), layer, origin, layers, out)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _place(item, (*path, i), layer, origin, layers, out)

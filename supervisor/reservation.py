@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from corral.supervisor.daemon import Daemon
+    from corral.supervisor.instance import Instance
 
 
 class Reservation:
     def __init__(self, daemon: Daemon, names: Iterable[str]):
         self._daemon = daemon
-        self._held: set[str] = set()
+        # The instances themselves: a reload may remove a held model from the config before
+        # the group ends, and its hold must still be given back.
+        self._held: dict[str, Instance] = {}
         for name in names:
             self._hold(name)
 
@@ -28,10 +31,11 @@ class Reservation:
         self._hold(backup)
 
     def release(self, name: str) -> None:
-        canonical = self._daemon.instance(name).name
-        if canonical in self._held:
-            self._held.discard(canonical)
-            self._daemon.instances[canonical].held -= 1
+        # The held name itself first: after a reload it may be an alias of another model.
+        key = name if name in self._held else self._daemon.resolve(name) or name
+        inst = self._held.pop(key, None)
+        if inst is not None:
+            inst.held -= 1
             self._daemon.notify_change()
 
     def release_all(self) -> None:
@@ -41,5 +45,5 @@ class Reservation:
     def _hold(self, name: str) -> None:
         inst = self._daemon.instance(name)
         if inst.name not in self._held:
-            self._held.add(inst.name)
+            self._held[inst.name] = inst
             inst.held += 1

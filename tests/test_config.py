@@ -435,3 +435,98 @@ def test_group_template_is_checked_at_load(tmp_path):
     path = tmp_path / "good.yaml"
     path.write_text(good)
     assert load_config(path).groups["core"].template == "Improve: {previous} {{literal}}"
+
+
+# -- include: -------------------------------------------------------------------------------
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_include_merges_maps_key_by_key_in_order(tmp_path):
+    _write(tmp_path / "presets" / "base.yaml",
+           "defaults: {ttl: 60, ctx: 1024}\npolicy: {max_loaded: 3}\n"
+           "models:\n  a: {model: a.gguf, ttl: 10}\n  b: {model: b.gguf}\n"
+           "api_keys: [base]\n")
+    _write(tmp_path / "presets" / "more.yaml",
+           "models:\n  c: {model: ../c.gguf}\ngroups:\n  g: {models: [a, c]}\n")
+    main = _write(tmp_path / "corral.yaml",
+                  "include: [presets/base.yaml, presets/more.yaml]\n"
+                  "defaults: {ttl: 90}\nmodels:\n  a: {ctx: 2048}\napi_keys: [mine]\n")
+    loaded = load_config(main)
+    assert list(loaded.models) == ["a", "b", "c"]  # an included file adds models...
+    a = loaded.models["a"]
+    assert (a.ttl, a.ctx) == (10, 2048)  # ...and the includer overrides one key of one
+    assert loaded.models["b"].ttl == 90 and loaded.models["b"].ctx == 1024  # defaults merged
+    assert loaded.config.policy.max_loaded == 3
+    assert loaded.config.api_keys == ["mine"]  # a list is replaced, not appended
+    assert loaded.groups["g"].models == ("a", "c")
+    # A relative path is relative to the file that wrote it.
+    assert a.model_path == tmp_path / "presets" / "a.gguf"
+    assert loaded.models["c"].model_path == tmp_path / "c.gguf"
+    assert loaded.files == (main, tmp_path / "presets" / "base.yaml",
+                            tmp_path / "presets" / "more.yaml")
+    assert loaded.config.include == ["presets/base.yaml", "presets/more.yaml"]
+
+
+def test_include_errors_point_at_the_included_file_and_line(tmp_path):
+    _write(tmp_path / "extra.yaml", "models:\n  x:\n    model: x.gguf\n    tll: 5\n")
+    main = _write(tmp_path / "corral.yaml", "include: extra.yaml\nmodels:\n  a: {model: a.gguf}\n")
+    issues = [str(i) for i in _load_issues(main)]
+    assert issues == [f"{tmp_path / 'extra.yaml'}:4: models.x.tll: Extra inputs are not permitted"]
+    # A key the includer overrides is reported where the winning value was written.
+    main.write_text("include: extra.yaml\nmodels:\n  x:\n    tll: 6\n")
+    issues = [str(i) for i in _load_issues(main)]
+    assert f"{main}:4: models.x.tll: Extra inputs are not permitted" in issues
+    # Bad YAML in an included file: that file, that line.
+    (tmp_path / "extra.yaml").write_text("models:\n  x: [unclosed\n")
+    issues = [str(i) for i in _load_issues(main)]
+    assert len(issues) == 1 and issues[0].startswith(f"{tmp_path / 'extra.yaml'}:3: ")
+    assert "invalid YAML" in issues[0]
+
+
+def test_include_missing_file_and_cycle_are_errors_at_the_include_line(tmp_path):
+    main = _write(tmp_path / "corral.yaml", "models: {}\ninclude:\n  - nope.yaml\n  - a.yaml\n")
+    _write(tmp_path / "a.yaml", "include: [corral.yaml]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(main)
+    issues = [str(i) for i in err.value.issues]
+    assert any(i.startswith(f"{main}:3: include[0]: cannot read {tmp_path / 'nope.yaml'}")
+               for i in issues), issues
+    assert f"{tmp_path / 'a.yaml'}:1: include[0]: include cycle: corral.yaml → a.yaml → " \
+           "corral.yaml" in issues
+    # The missing file is among the files read, so a watcher sees it appear.
+    assert tmp_path / "nope.yaml" in err.value.files
+    assert _load_issues(_write(tmp_path / "bad.yaml", "include: {a: 1}\n"))[0].message == \
+        "include must be a file name or a list of file names"
+
+
+def test_env_vars_in_included_files_and_include_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORRAL_TEST_PRESETS", str(tmp_path / "p"))
+    monkeypatch.setenv("CORRAL_TEST_CTX_MODEL", "m.gguf")
+    _write(tmp_path / "p" / "one.yaml", "models:\n  m: {model: '${CORRAL_TEST_CTX_MODEL}'}\n"
+                                        "  n: {model: '${CORRAL_TEST_UNSET}'}\n")
+    main = _write(tmp_path / "corral.yaml", "include: ['${CORRAL_TEST_PRESETS}/one.yaml']\n")
+    issues = [str(i) for i in _load_issues(main)]
+    assert issues == [f"{tmp_path / 'p' / 'one.yaml'}:3: models.n.model: environment variable "
+                      "CORRAL_TEST_UNSET is not set"]
+    monkeypatch.setenv("CORRAL_TEST_UNSET", "n.gguf")
+    loaded = load_config(main)
+    assert loaded.models["m"].model_path == tmp_path / "p" / "m.gguf"
+
+
+def test_digest_follows_every_file(tmp_path):
+    _write(tmp_path / "extra.yaml", "models: {x: {model: x.gguf}}\n")
+    main = _write(tmp_path / "corral.yaml", "include: [extra.yaml]\n")
+    first = load_config(main).digest
+    assert load_config(main).digest == first
+    (tmp_path / "extra.yaml").write_text("models: {x: {model: x.gguf, ttl: 5}}\n")
+    assert load_config(main).digest != first
+
+
+def _load_issues(path: Path) -> list:
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    return err.value.issues
