@@ -264,7 +264,8 @@ def test_embedded_default_serves_every_gguf_in_the_models_dir(tiny_models, tmp_p
 
 def test_embeddings_are_relayed(start_corral, tiny_models):
     config = tiny_config(tiny_models)
-    config["models"]["tiny-a"]["args"] = ["--embeddings", "--pooling", "mean"]
+    config["models"]["tiny-a"]["embeddings"] = True
+    config["models"]["tiny-a"]["args"] = ["--pooling", "mean"]
     corral = start_corral(config)
     result = corral.client().embeddings.create(model="tiny-a", input=["hello", "world"])
     assert len(result.data) == 2
