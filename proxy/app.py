@@ -55,7 +55,7 @@ def create_app(daemon: Daemon) -> web.Application:
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
         middlewares=[_request_id_middleware, _errors_middleware,
-                     _auth_middleware(cfg.api_keys, cfg.admin_api_keys)],
+                     _auth_middleware(daemon)],
     )
     app[DAEMON] = daemon
     app.on_response_prepare.append(_send_request_id)
@@ -138,12 +138,23 @@ def _failure(daemon: Daemon, exc: SupervisorError | UpstreamFailed) -> web.Respo
     return http_error(exc)
 
 
-def _auth_middleware(api_keys: list[str], admin_keys: list[str]) -> Any:
-    user = [k.encode() for k in api_keys]
-    # Without admin keys, admin falls back to the API keys (or stays open when there are none).
-    admin_only = [k.encode() for k in admin_keys] or user
-    # An admin key opens /v1 too: the operator may do what users do, and run every group.
-    v1 = user + admin_only if user else []
+def _auth_middleware(daemon: Daemon) -> Any:
+    # The keys of the config active now (a reload may change them), worked out once per config.
+    cache: dict[str, Any] = {}
+
+    def key_sets() -> tuple[list[bytes], list[bytes]]:
+        cfg = daemon.loaded.config
+        if cache.get("config") is not cfg:
+            user = [k.encode() for k in cfg.api_keys]
+            # Without admin keys, admin falls back to the API keys (or stays open when there
+            # are none).
+            admin_only = [k.encode() for k in cfg.admin_api_keys] or user
+            # An admin key opens /v1 too: the operator may do what users do, and run every
+            # group.
+            v1 = user + admin_only if user else []
+            cache.update(config=cfg, keys=(admin_only, v1))
+        keys: tuple[list[bytes], list[bytes]] = cache["keys"]
+        return keys
 
     def allowed(request: web.Request, keys: list[bytes]) -> bool:
         if not keys:
@@ -155,6 +166,7 @@ def _auth_middleware(api_keys: list[str], admin_keys: list[str]) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
+        admin_only, v1 = key_sets()
         keys = admin_only if path.startswith("/admin") else v1 if path.startswith("/v1") else []
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
@@ -247,6 +259,11 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
     canonical = target.name
+    if request.path == "/v1/embeddings" and not daemon.instances[canonical].spec.embeddings:
+        # Refused here, before anything starts: llama-server would answer 501 only after
+        # loading the model.
+        raise ApiError(400, f"{canonical!r} does not serve embeddings; set `embeddings: true` "
+                            f"on it in the config", "embeddings_disabled", param="model")
     raw = upstream_body(raw, body, canonical)
     async with leased(daemon, canonical) as lease:
         response = await relay(request, request.app[UPSTREAM], lease.base_url + request.path,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,9 @@ import aiohttp
 import structlog
 
 from corral.supervisor import policy
+from corral.supervisor import reload as reloading
 from corral.supervisor.backends.llama_server import BACKENDS
-from corral.supervisor.config import LoadedConfig
+from corral.supervisor.config import ConfigError, ConfigIssue, LoadedConfig, load_config
 from corral.supervisor.errors import (
     NoCapacity,
     QueueFull,
@@ -32,7 +35,8 @@ log = structlog.get_logger("corral.daemon")
 
 
 class Daemon:
-    def __init__(self, loaded: LoadedConfig, state_file: Path):
+    def __init__(self, loaded: LoadedConfig, state_file: Path,
+                 config_loader: Callable[[], LoadedConfig] | None = None):
         self.loaded = loaded
         self.instances: dict[str, Instance] = {
             name: Instance(spec, BACKENDS[spec.backend], self._on_instance_change)
@@ -43,7 +47,19 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # Reload: how to read the config again (runs in a thread), one reload at a time,
+        # models removed from the config that still drain, replaced models awaiting restart.
+        self._config_loader = config_loader or self._load_source
+        self._reload_lock = asyncio.Lock()
+        self._retiring: set[Instance] = set()
+        self._restarting: set[str] = set()
+        self.last_reload: reloading.ReloadAttempt | None = None
+        self._recent_reloads: collections.deque[reloading.ReloadAttempt] = \
+            collections.deque(maxlen=20)
+        self._config_since = time.time()
+        self._generation = 1
+        self._config_view: tuple[LoadedConfig | None, dict[str, Any]] = (None, {})
         for group in loaded.groups.values():
             if group.pinned:
                 for name in group.models:
@@ -74,11 +90,11 @@ class Daemon:
         self._closing = True
         self._changed.fire()
         deadline = time.monotonic() + grace
-        while any(i.in_flight for i in self.instances.values()):
+        while any(i.in_flight for i in self._everyone()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.warning("daemon.drain_expired", in_flight={
-                    i.name: i.in_flight for i in self.instances.values() if i.in_flight})
+                    i.name: i.in_flight for i in self._everyone() if i.in_flight})
                 break
             await self._changed.wait(min(remaining, 0.2))
         if self._sweeper:
@@ -86,7 +102,7 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         # Stops are never cancelled: each ends with its process group gone.
-        await asyncio.gather(*(i.stop("daemon shutdown") for i in self.instances.values()
+        await asyncio.gather(*(i.stop("daemon shutdown") for i in self._everyone()
                                if i.state is not State.STOPPED), return_exceptions=True)
         self._registry.clear()
         if self._session:
@@ -154,6 +170,8 @@ class Daemon:
         while inst.state is not State.READY:
             if self._closing:
                 raise ShuttingDown("corral is shutting down")
+            if self.instances.get(inst.name) is not inst:  # a reload removed it meanwhile
+                raise UnknownModel(inst.name, sorted(self.instances))
             now = loop.time()
             remaining = deadline - now
             if remaining <= 0:
@@ -165,8 +183,8 @@ class Daemon:
                 await inst.wait_change(remaining)
             else:
                 victim, placement = self._try_start(inst, victim, ignore_backoff)
-                if inst.state is State.STARTING:
-                    continue
+                if placement.fits:
+                    continue  # started: wait for it on the next round
                 if room_deadline is None:
                     room_deadline = now + self.loaded.config.policy.evict_timeout
                 elif now >= room_deadline:
@@ -184,9 +202,11 @@ class Daemon:
         two cold starts from claiming the same room, with no lock held across waits."""
         backoff = inst.backoff_left()
         if backoff > 0 and not ignore_backoff:
+            # The reason stays in /admin/models and the logs: it quotes the child's output.
             raise StartBackoff(
-                f"{inst.name} failed to start ({inst.last_error}); "
-                f"next try in {backoff:.1f}s", retry_after=backoff)
+                f"{inst.name} failed to start ({inst.start_failures} time"
+                f"{'s' if inst.start_failures != 1 else ''} in a row); next try in "
+                f"{backoff:.1f}s", retry_after=backoff)
         placement = policy.place(self._views(), inst.name, self.loaded.config.policy.max_loaded)
         if placement.fits:
             inst.begin_start(self._http(), self._on_spawn)
@@ -278,7 +298,11 @@ class Daemon:
             last_used=i.last_used,
             ttl=i.spec.ttl,
             pinned=i.pinned,
-        ) for i in self.instances.values()]
+        ) for i in self.instances.values()] + [policy.ModelView(
+            # Removed by a reload, still draining: it holds its room until it is gone.
+            name=f"{i.name} (removed)", loaded=i.state in LOADED_STATES, stoppable=False,
+            last_used=i.last_used, ttl=0,
+        ) for i in self._retiring]
 
     def _on_instance_change(self) -> None:
         self._changed.fire()
@@ -291,7 +315,7 @@ class Daemon:
         self._persist_children()  # raising here fails the start and stops the child
 
     def _persist_children(self) -> None:
-        self._registry.record([(i.name, i.pid) for i in self.instances.values()
+        self._registry.record([(i.name, i.pid) for i in self._everyone()
                                if i.pid is not None and i.state in LOADED_STATES])
 
     async def _sweep_ttl(self) -> None:
@@ -318,6 +342,168 @@ class Daemon:
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         """Background work the daemon owns: kept referenced, cancelled at close."""
-        task = asyncio.create_task(coro)
+        task = asyncio.create_task(coro, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _everyone(self) -> list[Instance]:
+        """Every instance that may hold a child: the configured ones, and those a reload
+        removed that are still draining."""
+        return [*self.instances.values(), *self._retiring]
+
+    # -- reload --------------------------------------------------------------------------------
+
+    def reload(self, trigger: str) -> asyncio.Task[reloading.ReloadAttempt]:
+        """Read the config again and apply what changed (supervisor/reload.py says what
+        applies how). The work is a task the daemon owns: a caller that goes away (an HTTP
+        client hanging up) only stops waiting, the reload still completes. Reloads run one
+        at a time, in the order asked."""
+        task = asyncio.create_task(self._reload(trigger), name=f"reload:{trigger}",
+                                   context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def config_status(self) -> dict[str, Any]:
+        """The read model of GET /admin/config: the active config and the last attempt."""
+        if self._config_view[0] is not self.loaded:  # built once per config, not per poll
+            self._config_view = (self.loaded, reloading.config_view(self.loaded))
+        return {
+            "active": {**self._config_view[1], "since": self._config_since,
+                       "generation": self._generation},
+            "last_reload": self.last_reload.as_dict() if self.last_reload else None,
+            "recent_reloads": [a.as_dict() for a in self._recent_reloads],  # oldest first
+        }
+
+    def _load_source(self) -> LoadedConfig:
+        if self.loaded.source is None:
+            raise ConfigError([ConfigIssue("<config>", None, "", "corral was started without a "
+                                           "config file (-c): there is nothing to reload")])
+        return load_config(self.loaded.source)
+
+    async def _reload(self, trigger: str) -> reloading.ReloadAttempt:
+        async with self._reload_lock:
+            started = time.monotonic()
+            try:
+                # In a thread: parsing a large config must not stall the streams being relayed.
+                new = await asyncio.to_thread(self._config_loader)
+            except ConfigError as exc:
+                return self._note_reload(reloading.ReloadAttempt.failed(
+                    trigger, started, exc.issues, exc.files))
+            except Exception as exc:  # a bug while loading: report it, keep serving
+                log.exception("daemon.reload_crashed", trigger=trigger)
+                issue = ConfigIssue(str(self.loaded.source or "<config>"), None, "",
+                                    f"reload failed: {type(exc).__name__}: {exc}")
+                return self._note_reload(reloading.ReloadAttempt.failed(
+                    trigger, started, [issue], self.loaded.files))
+            if new.source is not None and not any(len(loc) == 1 for loc in new.lines):
+                # Most likely a save caught halfway (truncated, not yet written), not a wish to
+                # remove every model: that is written `models: {}`.
+                issue = ConfigIssue(str(new.source), None, "",
+                                    "the config file is empty; not applied (write `models: {}` "
+                                    "to remove every model)")
+                return self._note_reload(reloading.ReloadAttempt.failed(
+                    trigger, started, [issue], new.files))
+            if self._closing:
+                issue = ConfigIssue(str(self.loaded.source or "<config>"), None, "",
+                                    "corral is shutting down; not applied")
+                return self._note_reload(reloading.ReloadAttempt.failed(
+                    trigger, started, [issue], new.files))
+            plan = reloading.diff(self.loaded, new)
+            changed = not plan.empty or new.digest != self.loaded.digest
+            self._apply_plan(plan, new)  # synchronous: applied whole, or (cancelled) not at all
+            if changed:
+                self._config_since = time.time()
+                self._generation += 1
+            return self._note_reload(reloading.ReloadAttempt.applied(trigger, started, plan, new))
+
+    def _note_reload(self, attempt: reloading.ReloadAttempt) -> reloading.ReloadAttempt:
+        self.last_reload = attempt
+        self._recent_reloads.append(attempt)
+        if attempt.ok:
+            log.info("daemon.reload", trigger=attempt.trigger, hash=attempt.digest[:12],
+                     ms=attempt.duration_ms, **(attempt.changes or {}))
+            if attempt.changes and attempt.changes["needs_restart"]:
+                log.warning("daemon.reload_needs_restart", keys=attempt.changes["needs_restart"],
+                            note="these settings apply when corral is restarted")
+        else:
+            log.error("daemon.reload_failed", trigger=attempt.trigger,
+                      issues=[str(i) for i in attempt.issues],
+                      note="the running config stays active")
+        return attempt
+
+    def _apply_plan(self, plan: reloading.Plan, new: LoadedConfig) -> None:
+        """Apply a reload plan in one synchronous step, so no request sees half of it and no
+        cancellation stops it halfway. What takes time (drains, stops, restarts) goes on as
+        tasks the instances and the daemon own; every state change is the instance's own."""
+        drain = new.config.shutdown_grace
+        # Looked up before anything changes: nothing below may fail halfway.
+        backends = {c.name: BACKENDS[c.spec.backend] for c in (*plan.replace, *plan.add)}
+        pinned = {m for g in new.groups.values() if g.pinned for m in g.models}
+        self.loaded = new
+        for change in plan.update:
+            self.instances[change.name].reconfigure(change.spec)
+        for change in plan.replace:
+            inst = self.instances[change.name]
+            was_up = inst.state in (State.STARTING, State.READY)
+            inst.reconfigure(change.spec, backends[change.name], fresh_start=True)
+            stop = None
+            if inst.state in LOADED_STATES:
+                # Leaves READY now: new requests wait in acquire() for the restart; in-flight
+                # ones get `shutdown_grace` to finish.
+                stop = inst.begin_stop("config changed: " + ", ".join(change.fields),
+                                       drain=drain)
+            # Up before, up after; and a pinned model is kept up (its old settings may be
+            # what made it fail).
+            if was_up or inst.name in pinned or inst.name in self._restarting:
+                self._restart_after(inst, stop)
+        for name in plan.remove:
+            inst = self.instances.pop(name)
+            stop = inst.begin_stop("removed from the config", drain=drain)
+            if stop is not None and not stop.done():
+                self._retire(inst, stop)
+        for change in plan.add:
+            self.instances[change.name] = Instance(change.spec, backends[change.name],
+                                                   self._on_instance_change)
+        for inst in self.instances.values():
+            inst.pinned = inst.name in pinned
+        for name in plan.pinned:
+            if self.instances[name].state in (State.STOPPED, State.FAILED) \
+                    and name not in self._restarting:
+                self._spawn_task(self._preload(name))
+        self._changed.fire()
+
+    def _retire(self, inst: Instance, stop: asyncio.Task[None]) -> None:
+        """Keep a removed model's instance (its child holds memory, its streams run) until
+        its stop is done."""
+        self._retiring.add(inst)
+
+        def gone(_task: asyncio.Task[None]) -> None:
+            self._retiring.discard(inst)
+            self._changed.fire()
+
+        stop.add_done_callback(gone)
+
+    def _restart_after(self, inst: Instance, stop: asyncio.Task[None] | None) -> None:
+        """A model that was up when its child-affecting settings changed is up again after:
+        once the old child is gone, start it with the new spec. Requests that waited meanwhile
+        may start it first; this then shares that start."""
+        if inst.name in self._restarting:
+            return  # a restart is already waiting for this stop; it reads the newest spec
+        self._restarting.add(inst.name)
+
+        async def restart() -> None:
+            try:
+                if stop is not None:
+                    await asyncio.wait([stop])  # never cancels the stop itself
+            finally:
+                self._restarting.discard(inst.name)
+            if self.instances.get(inst.name) is inst and not self._closing \
+                    and inst.state in (State.STOPPED, State.FAILED):
+                try:
+                    await self.load(inst.name)
+                except SupervisorError as exc:
+                    # Its next request tries again; /admin/models shows why.
+                    log.error("daemon.restart_failed", model=inst.name, error=str(exc))
+
+        self._spawn_task(restart())

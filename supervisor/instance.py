@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -76,11 +77,14 @@ class Lease:
     base_url: str
     headers: dict[str, str]
     _released: bool = False
+    # The slots it was taken from: a reload that changes `parallel` gives the next child a new
+    # set, and a lease still out returns to the set it came from.
+    _slots: asyncio.Semaphore | None = None
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.instance._release_slot()
+            self.instance._release_slot(self._slots)
 
     def child_alive(self) -> bool:
         """Whether the child behind this lease still runs (cheap, synchronous)."""
@@ -129,12 +133,14 @@ class Instance:
         self._retry_at: float | None = None  # monotonic; no new start before it
         self._headers: dict[str, str] = {}
         self._slots = asyncio.Semaphore(spec.parallel)
+        self._slots_size = spec.parallel
         self._start_task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._exit_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._drain_until = 0.0
         self._marked_dead = False  # failed by mark_if_dead, before the exit watcher ran
+        self._unresponsive_pid: int | None = None  # the child the watchdog killed
         self._state_changed = Changed()
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(model=spec.name)
@@ -195,9 +201,9 @@ class Instance:
         if self.state is State.FAILED:
             self.restarts += 1
         self._transition(State.STARTING)
+        self._fit_slots()
         self.starts += 1
-        self._start_task = asyncio.create_task(self._start(session, on_spawn),
-                                               name=f"start:{self.name}")
+        self._start_task = _owned_task(self._start(session, on_spawn), f"start:{self.name}")
 
     async def wait_ready(self) -> None:
         """Wait for the shared start to finish; raises its StartFailed for every waiter."""
@@ -315,6 +321,10 @@ class Instance:
             self.last_error = message  # the exit code and log line say more than "gone"
             self._on_change()
 
+    def killed_as_unresponsive(self) -> bool:
+        """Whether the current child was killed by the watchdog (it stopped answering)."""
+        return self._unresponsive_pid is not None and self._unresponsive_pid == self.pid
+
     def mark_if_dead(self) -> None:
         """A request saw the child break: if it is gone, fail the instance now, before the
         exit watcher runs, so no other request is handed its port."""
@@ -355,6 +365,7 @@ class Instance:
             self._log.warning("instance.health_failed", pid=process.pid, problem=problem,
                               failures=self.health.failures, limit=self.spec.health_failures)
             if self.health.failures >= self.spec.health_failures and serving():
+                self._unresponsive_pid = process.pid
                 self._transition(State.FAILED, (
                     f"{self.name} stopped answering: {self.health.failures} health probes "
                     f"failed in a row (last: {problem}); killed pid {process.pid}"))
@@ -365,19 +376,52 @@ class Instance:
 
     async def take_slot(self, timeout: float) -> Lease:
         """Wait for one of the `parallel` slots; the caller has checked the state is READY."""
-        if self._slots.locked():
-            await asyncio.wait_for(self._slots.acquire(), timeout)
+        slots = self._slots
+        if slots.locked():
+            await asyncio.wait_for(slots.acquire(), timeout)
         else:
-            await self._slots.acquire()  # free slot: no timer task on the hot path
+            await slots.acquire()  # free slot: no timer task on the hot path
         self.in_flight += 1
         self.last_used = time.monotonic()
-        return Lease(self, f"http://127.0.0.1:{self.port}", self._headers)
+        return Lease(self, f"http://127.0.0.1:{self.port}", self._headers, _slots=slots)
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, slots: asyncio.Semaphore | None = None) -> None:
         self.in_flight -= 1
         self.last_used = time.monotonic()
-        self._slots.release()
+        (slots or self._slots).release()
         self._on_change()
+
+    # -- reload --------------------------------------------------------------------------------
+
+    def reconfigure(self, spec: ModelSpec, backend: Backend | None = None,
+                    fresh_start: bool = False) -> None:
+        """Take a reloaded spec (same name). Settings the child was not started with (ttl,
+        queue limits, timeouts, health knobs, aliases) apply at once; argv and environment
+        apply at the next start, which the daemon arranges (drain, stop, start) when they
+        changed. `fresh_start`: the settings a failed start used are gone, so is its back-off."""
+        if spec.name != self.name:
+            raise ValueError(f"{self.name}: cannot take the spec of {spec.name}")
+        self.spec = spec
+        if backend is not None:
+            self.backend = backend
+        if fresh_start and self.state is State.FAILED:
+            self.start_failures = 0
+            self._retry_at = None
+        self._log.info("instance.reconfigured", state=str(self.state), pid=self.pid)
+        self._on_change()
+
+    def _fit_slots(self) -> None:
+        """At a start: a reload changed `parallel`, so the new child gets a new set of slots.
+        Leases still out return to the old set (Lease keeps it); requests blocked on the old
+        set are woken, find the model STARTING, give their slot back and wait for this start
+        like everyone else."""
+        if self._slots_size == self.spec.parallel:
+            return
+        old = self._slots
+        self._slots = asyncio.Semaphore(self.spec.parallel)
+        self._slots_size = self.spec.parallel
+        for _ in range(self.queued):
+            old.release()
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -406,7 +450,7 @@ class Instance:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()  # delivered before the start task runs again
         self._log.info("instance.stop", reason=reason, pid=self.pid, drain=drain)
-        self._stop_task = asyncio.create_task(self._stop(), name=f"stop:{self.name}")
+        self._stop_task = _owned_task(self._stop(), f"stop:{self.name}")
         return self._stop_task
 
     async def stop(self, reason: str, drain: float = 0.0) -> None:
@@ -482,6 +526,13 @@ class Instance:
             "retry_at": time.time() + backoff if backoff > 0 else None,
             "health": self.health.as_dict(),
         }
+
+
+def _owned_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """A task the instance owns, run in a fresh context: started from inside a request, it
+    must not carry that request's id (structlog contextvars) into every log line it and the
+    tasks it creates (exit watch, watchdog, log reader) write for the child's whole life."""
+    return asyncio.create_task(coro, name=name, context=contextvars.Context())
 
 
 async def _stop_uncancellable(process: ChildProcess) -> None:
