@@ -25,7 +25,7 @@ def bad(message: str, param: str | None, code: str = "invalid_request") -> ApiEr
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Strict JSON (UTF-8, no NaN/Infinity, bounded depth) whose top level is an object."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+        body = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and integers past Python's 4300-digit limit.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
@@ -40,6 +40,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+# One decoder for every request: json.loads with a keyword builds a new one each call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constants)
 
 
 def _too_deep(value: Any) -> bool:
