@@ -14,6 +14,7 @@ from corral.proxy import request_id
 from corral.proxy.sse import error_event as sse_error_event  # its old home: forward.py imports it
 from corral.supervisor.errors import (
     NoCapacity,
+    NotServed,
     QueueFull,
     QueueTimeout,
     ShuttingDown,
@@ -90,6 +91,7 @@ _SHAPES: dict[type[Exception], Shape] = {
     QueueFull: Shape(429, "queue_full", "rate_limit_error"),
     QueueTimeout: Shape(503, "queue_timeout"),
     NoCapacity: Shape(503, "no_capacity"),
+    NotServed: Shape(503, "model_not_served"),
     ShuttingDown: Shape(503, "shutting_down"),
     StartBackoff: Shape(503, "model_start_backoff"),
     StartTimedOut: Shape(504, "model_start_timeout"),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -26,6 +27,14 @@ from corral.supervisor.config_yaml import (
     read_config_text,
 )
 from corral.supervisor.discovery import discover
+from corral.supervisor.policy import (
+    BUILTIN,
+    ModelView,
+    Snapshot,
+    Strategy,
+    StrategyError,
+    load_strategy,
+)
 from corral.supervisor.templates import template_problem
 
 __all__ = [
@@ -69,10 +78,21 @@ class Defaults(_Strict):
 
 
 class PolicyConfig(_Strict):
-    max_loaded: int = Field(4, ge=1)
+    strategy: str = Field(
+        "generic", description="generic | pinned-group | multi-group | fixed-appliance | "
+        "plugin:package.module:Class | plugin:file.py:Class | an entry point in the group "
+        "corral.strategies")
+    max_loaded: int = Field(4, ge=1, description="children loaded at once, at most")
     evict_timeout: float = Field(
         30, gt=0, description="seconds a cold start waits for a busy model to drain before 503"
     )
+    groups: list[str] = Field(
+        [], description="pinned-group: the groups kept loaded; other models load on demand")
+    shares: dict[str, int] = Field(
+        {}, description="multi-group: group -> load slots its members use, and no other model")
+    models: list[str] = Field(
+        [], description="fixed-appliance: the fixed set loaded at boot (default: every model)")
+    options: dict[str, Any] = Field({}, description="settings passed to a plugin strategy")
 
 
 # Flags today's llama-server no longer has, and what replaced them.
@@ -259,6 +279,20 @@ class LoadedConfig:
     # hash of their contents: what a reload watches, and how /admin/config names a version.
     files: tuple[Path, ...] = ()
     digest: str = ""
+    strategy: Strategy = field(default_factory=lambda: load_strategy("generic", {}, Path()))
+    # Members of groups marked `pinned: true`, and what the strategy keeps loaded on its own
+    # account (as decided from the config alone, with nothing loaded).
+    pinned: frozenset[str] = frozenset()
+    kept: frozenset[str] = frozenset()
+
+    def snapshot(self, views: tuple[Any, ...] = (), now: float = 0.0) -> Snapshot:
+        """The strategy's view: the models given (default: every model, none loaded)."""
+        if not views:
+            views = tuple(ModelView(name=n, loaded=False, stoppable=False, last_used=0.0,
+                                    ttl=s.ttl) for n, s in self.models.items())
+        return Snapshot(models=views, groups={g.name: g.models for g in self.groups.values()},
+                        max_loaded=self.config.policy.max_loaded, now=now, pinned=self.pinned,
+                        options=self.config.policy.options)
 
     def issue(self, loc: Loc, message: str) -> ConfigIssue:
         return issue_at(str(self.source) if self.source else "<config>", self.lines, loc,
@@ -370,10 +404,92 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
                 aliases[alias] = name
     groups = _resolve_groups(config, models, aliases, issues,
                              lambda loc: line_for(loc, lines), filename)
+    pinned = frozenset(m for g in groups.values() if g.pinned for m in g.models)
+    strategy = _resolve_strategy(config, base_of(("policy", "strategy")), models, aliases,
+                                 groups, issues, lambda loc: line_for(loc, lines), filename)
     if issues:
         raise ConfigError(issues)
-    return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
-                        groups=groups, lines=lines, files=files, digest=digest)
+    loaded = LoadedConfig(config=config, models=models, source=source, aliases=aliases,
+                          groups=groups, lines=lines, files=files, digest=digest,
+                          pinned=pinned)
+    if strategy is None:
+        return loaded
+    try:
+        kept = frozenset(strategy.keep_loaded(loaded.snapshot())) & set(models)
+    except Exception as exc:
+        raise ConfigError([issue_at(filename, lines, ("policy", "strategy"),
+                                    f"the strategy failed: {type(exc).__name__}: {exc}")]) \
+            from exc
+    if len(kept) > config.policy.max_loaded:
+        raise ConfigError([issue_at(
+            filename, lines, ("policy", "max_loaded"),
+            f"strategy {config.policy.strategy} keeps {len(kept)} models loaded "
+            f"({', '.join(sorted(kept))}) but max_loaded is {config.policy.max_loaded}")])
+    return dataclasses.replace(loaded, strategy=strategy, kept=kept)
+
+
+def _resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec],
+                      aliases: dict[str, str], groups: dict[str, GroupSpec],
+                      issues: list[ConfigIssue], line: Callable[[Loc], int | None],
+                      filename: str) -> Strategy | None:
+    """Build `policy.strategy`, checking the settings each built-in strategy reads."""
+    policy = config.policy
+    name = policy.strategy
+
+    def problem(loc: Loc, message: str) -> None:
+        issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
+
+    # Which policy keys each built-in reads; a key set for another strategy is a mistake.
+    reads = {"pinned-group": "groups", "multi-group": "shares", "fixed-appliance": "models"}
+    for strategy, key in reads.items():
+        if getattr(policy, key) and name != strategy:
+            problem(("policy", key), f"policy.{key} applies to strategy {strategy} "
+                                     f"(strategy is {name})")
+    if policy.options and name in BUILTIN:
+        problem(("policy", "options"), "policy.options is read by plugin strategies only")
+    for i, group in enumerate(policy.groups):
+        if group not in groups:
+            problem(("policy", "groups", i), f"unknown group {group!r}; groups: "
+                                             f"{', '.join(sorted(groups)) or 'none'}")
+    fixed: list[str] = []
+    for i, model in enumerate(policy.models):
+        found = model if model in models else aliases.get(model)
+        if found is None:
+            problem(("policy", "models", i), f"unknown model {model!r}; models: "
+                                             f"{', '.join(sorted(models)) or 'none'}")
+        else:
+            fixed.append(found)
+    if name == "pinned-group" and not policy.groups:
+        problem(("policy", "groups"), "strategy pinned-group needs the groups to keep loaded")
+    owner: dict[str, str] = {}
+    for group, share in policy.shares.items():
+        loc: Loc = ("policy", "shares", group)
+        if group not in groups:
+            problem(loc, f"unknown group {group!r}; groups: {', '.join(sorted(groups)) or 'none'}")
+            continue
+        if share < 1:
+            problem(loc, "a share holds at least 1 model")
+        for member in groups[group].models:
+            if member in owner:
+                problem(loc, f"{member!r} is in the shares of both {owner[member]!r} and "
+                             f"{group!r}; a model belongs to one share")
+            owner.setdefault(member, group)
+    if name == "multi-group":
+        if not policy.shares:
+            problem(("policy", "shares"), "strategy multi-group needs shares (group: slots)")
+        elif sum(policy.shares.values()) > policy.max_loaded:
+            problem(("policy", "shares"), f"the shares add up to {sum(policy.shares.values())} "
+                                          f"but max_loaded is {policy.max_loaded}")
+    if issues:
+        return None
+    options = policy.options if name not in BUILTIN else {
+        "groups": list(policy.groups), "shares": dict(policy.shares),
+        "models": fixed}
+    try:
+        return load_strategy(name, options, base_dir)
+    except StrategyError as exc:
+        problem(("policy", "strategy"), str(exc))
+        return None
 
 
 def _resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[str, str],

@@ -20,6 +20,7 @@ from corral.supervisor.backends.llama_server import BACKENDS
 from corral.supervisor.config import ConfigError, ConfigIssue, LoadedConfig, load_config
 from corral.supervisor.errors import (
     NoCapacity,
+    NotServed,
     QueueFull,
     QueueTimeout,
     ShuttingDown,
@@ -60,10 +61,10 @@ class Daemon:
         self._config_since = time.time()
         self._generation = 1
         self._config_view: tuple[LoadedConfig | None, dict[str, Any]] = (None, {})
-        for group in loaded.groups.values():
-            if group.pinned:
-                for name in group.models:
-                    self.instances[name].pinned = True
+        self._preloading: set[str] = set()  # kept-loaded models being loaded by the daemon
+        self._strategy_failures: dict[str, str] = {}  # decision → last error (logged once)
+        for name in loaded.kept:
+            self.instances[name].pinned = True
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -80,10 +81,13 @@ class Daemon:
         log.info("daemon.started", models=sorted(self.instances))
 
     async def _preload(self, name: str) -> None:
+        self._preloading.add(name)
         try:
             await self.load(name)
         except SupervisorError as exc:
             log.error("daemon.pinned_load_failed", model=name, error=str(exc))
+        finally:
+            self._preloading.discard(name)
 
     async def close(self, grace: float) -> None:
         """Stop taking work, let in-flight requests finish (bounded), stop every child."""
@@ -207,14 +211,23 @@ class Daemon:
                 f"{inst.name} failed to start ({inst.start_failures} time"
                 f"{'s' if inst.start_failures != 1 else ''} in a row); next try in "
                 f"{backoff:.1f}s", retry_after=backoff)
-        placement = policy.place(self._views(), inst.name, self.loaded.config.policy.max_loaded)
+        snap = self._snapshot()
+        refusal = self._decide("refuse", None, snap, inst.name)
+        if refusal:
+            raise NotServed(str(refusal))
+        placement = self._decide("place", None, snap, inst.name)
+        if placement is None:  # the strategy failed: today's LRU decides
+            placement = policy.Generic().place(snap, inst.name)
         if placement.fits:
-            inst.begin_start(self._http(), self._on_spawn)
+            kv = self._decide("kv_cache", None, snap, inst.name)
+            inst.begin_start(self._http(), self._on_spawn,
+                             (kv.type_k, kv.type_v) if kv else None)
             inst.last_used = time.monotonic()
             return None, placement
         if victim is not None and victim.state is not State.STOPPED:
             return victim, placement
-        if placement.evict:
+        if placement.evict and placement.evict in self.instances \
+                and self.instances[placement.evict].state is State.READY:
             victim = self.instances[placement.evict]
             victim.begin_stop(f"evicted (least recently used) to start {inst.name}")
             return victim, placement
@@ -239,15 +252,14 @@ class Daemon:
         groups each holding what the other needs until evict_timeout."""
         wanted = {self.instance(n).name for n in names}
         held_elsewhere = {i.name for i in self.instances.values() if i.held > 0}
-        pinned = {i.name for i in self.instances.values() if i.pinned}
-        together = wanted | held_elsewhere | pinned
-        max_loaded = self.loaded.config.policy.max_loaded
-        if wanted and len(together) > max_loaded:
+        problem = self._decide("room_for", None, self._snapshot(),
+                               frozenset(wanted | held_elsewhere)) if wanted else None
+        if problem:
             busy = sorted(held_elsewhere - wanted)
             raise NoCapacity(
                 f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
-                f"other groups hold {', '.join(busy) or 'none'} and max_loaded is {max_loaded}"
-                f"; retry when they finish")
+                f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
+                f"finish")
         reservation = Reservation(self, wanted)
         try:
             yield reservation
@@ -256,17 +268,17 @@ class Daemon:
 
     def check_capacity(self, names: Iterable[str], what: str) -> None:
         """Refuse up front what max_loaded can never fit, instead of thrashing."""
-        wanted = sorted(set(names))
-        max_loaded = self.loaded.config.policy.max_loaded
-        # Pinned models outside the request hold their places for good.
-        pinned = sorted(i.name for i in self.instances.values()
-                        if i.pinned and i.name not in wanted)
-        if len(wanted) + len(pinned) > max_loaded:
+        wanted = frozenset(self.resolve(n) or n for n in names)
+        snap = self._snapshot()
+        for name in sorted(wanted):
+            refusal = self._decide("refuse", None, snap, name)
+            if refusal:
+                raise NotServed(f"{what}: {refusal}")
+        problem = self._decide("room_for", None, snap, wanted)
+        if problem:
             loaded = sorted(i.name for i in self.instances.values() if i.state in LOADED_STATES)
-            held = f" and {len(pinned)} pinned ({', '.join(pinned)})" if pinned else ""
-            raise NoCapacity(
-                f"{what} needs {len(wanted)} models loaded at once ({', '.join(wanted)}){held} "
-                f"but max_loaded is {max_loaded}; loaded now: {', '.join(loaded) or 'none'}")
+            raise NoCapacity(f"{what} cannot run: {problem}; loaded now: "
+                             f"{', '.join(loaded) or 'none'}")
 
     # -- admin actions -------------------------------------------------------------------------
 
@@ -290,19 +302,39 @@ class Daemon:
         assert self._session is not None, "Daemon.start() was not awaited"
         return self._session
 
-    def _views(self) -> list[policy.ModelView]:
-        return [policy.ModelView(
+    def _snapshot(self, now: float | None = None) -> policy.Snapshot:
+        views = tuple(policy.ModelView(
             name=i.name,
             loaded=i.state in LOADED_STATES,
             stoppable=i.state is State.READY and not i.busy,
             last_used=i.last_used,
             ttl=i.spec.ttl,
-            pinned=i.pinned,
-        ) for i in self.instances.values()] + [policy.ModelView(
+            size_bytes=i.size_bytes,
+            cache_type_k=i.spec.cache_type_k,
+            cache_type_v=i.spec.cache_type_v,
+            in_flight=i.in_flight,
+            queued=i.queued,
+        ) for i in self.instances.values()) + tuple(policy.ModelView(
             # Removed by a reload, still draining: it holds its room until it is gone.
             name=f"{i.name} (removed)", loaded=i.state in LOADED_STATES, stoppable=False,
             last_used=i.last_used, ttl=0,
-        ) for i in self._retiring]
+        ) for i in self._retiring)
+        return self.loaded.snapshot(views, time.monotonic() if now is None else now)
+
+    def _decide(self, decision: str, fallback: Any, *args: Any) -> Any:
+        """Ask the strategy. A plugin that raises must not take requests down with it: the
+        error is logged (once per kind of failure) and `fallback` stands in."""
+        try:
+            answer = getattr(self.loaded.strategy, decision)(*args)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            if self._strategy_failures.get(decision) != message:
+                self._strategy_failures[decision] = message
+                log.exception("daemon.strategy_failed", decision=decision,
+                              strategy=self.loaded.config.policy.strategy)
+            return fallback
+        self._strategy_failures.pop(decision, None)
+        return answer
 
     def _on_instance_change(self) -> None:
         self._changed.fire()
@@ -333,12 +365,28 @@ class Daemon:
         Decision and stop happen in one synchronous step (begin_stop leaves READY at once),
         so a request arriving meanwhile either got its slot first (then the model is busy
         and not expired) or finds the model stopping and starts it again."""
-        views = self._views()
-        for name in policy.expired(views, now):
-            inst = self.instances[name]
+        snap = self._snapshot(now)
+        for name in self._decide("expired", [], snap) or []:
+            inst = self.instances.get(name)
+            if inst is None or inst.state is not State.READY or inst.busy:
+                continue  # a strategy may only expire what is idle
             log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
             inst.begin_stop(f"idle for {inst.spec.ttl:g}s (ttl)")
-        return policy.next_expiry(views, now)
+        self._keep_up(snap)
+        wait: float | None = self._decide("next_expiry", 1.0, snap)
+        return wait
+
+    def _keep_up(self, snap: policy.Snapshot) -> None:
+        """What the strategy keeps loaded and crashed comes back (after its start back-off);
+        one an operator unloaded stays down until asked for."""
+        if self._closing:
+            return
+        for name in self._decide("keep_loaded", frozenset(), snap) or ():
+            inst = self.instances.get(name)
+            if inst is not None and inst.state is State.FAILED and inst.backoff_left() <= 0 \
+                    and name not in self._restarting and name not in self._preloading:
+                log.info("daemon.restart_kept", model=name, error=inst.last_error)
+                self._spawn_task(self._preload(name))
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         """Background work the daemon owns: kept referenced, cancelled at close."""
@@ -439,7 +487,7 @@ class Daemon:
         drain = new.config.shutdown_grace
         # Looked up before anything changes: nothing below may fail halfway.
         backends = {c.name: BACKENDS[c.spec.backend] for c in (*plan.replace, *plan.add)}
-        pinned = {m for g in new.groups.values() if g.pinned for m in g.models}
+        pinned = new.kept
         self.loaded = new
         for change in plan.update:
             self.instances[change.name].reconfigure(change.spec)
@@ -467,6 +515,12 @@ class Daemon:
                                                    self._on_instance_change)
         for inst in self.instances.values():
             inst.pinned = inst.name in pinned
+        snap = self._snapshot()
+        for inst in self.instances.values():
+            if inst.state in (State.STARTING, State.READY) \
+                    and self._decide("refuse", None, snap, inst.name):
+                inst.begin_stop(f"not served under strategy {new.config.policy.strategy}",
+                                drain=drain)
         for name in plan.pinned:
             if self.instances[name].state in (State.STOPPED, State.FAILED) \
                     and name not in self._restarting:

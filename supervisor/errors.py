@@ -33,6 +33,10 @@ class NoCapacity(SupervisorError):
     retry_after = 5.0
 
 
+class NotServed(SupervisorError):
+    """The strategy does not load this model on demand (e.g. a fixed appliance)."""
+
+
 class ShuttingDown(SupervisorError):
     retry_after = 5.0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
+import os
 import secrets
 import time
 from collections.abc import Callable, Coroutine
@@ -115,6 +117,7 @@ class Health:
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None]):
         self.spec = spec
+        self.started_with = spec  # the spec of the current (or last) child: spec + KV choice
         self.backend = backend
         self.state = State.STOPPED
         self.since = time.time()
@@ -142,6 +145,7 @@ class Instance:
         self._marked_dead = False  # failed by mark_if_dead, before the exit watcher ran
         self._unresponsive_pid: int | None = None  # the child the watchdog killed
         self._state_changed = Changed()
+        self._size: tuple[ModelSpec | None, int] = (None, 0)
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(model=spec.name)
 
@@ -164,6 +168,17 @@ class Instance:
     @property
     def free_slots(self) -> int:
         return max(0, self.spec.parallel - self.in_flight)
+
+    @property
+    def size_bytes(self) -> int:
+        """The model's files on disk (a first guess at its memory), read once per spec."""
+        if self._size[0] is not self.spec:
+            total = 0
+            for path in (self.spec.model_path, self.spec.mmproj):
+                with contextlib.suppress(OSError, TypeError):
+                    total += os.stat(path).st_size if path else 0
+            self._size = (self.spec, total)
+        return self._size[1]
 
     def idle_seconds(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.last_used
@@ -196,8 +211,16 @@ class Instance:
         return max(0.0, self._retry_at - (now or time.monotonic()))
 
     def begin_start(self, session: aiohttp.ClientSession,
-                    on_spawn: Callable[[Instance], None]) -> None:
-        """STOPPED|FAILED → STARTING and launch the one start task every waiter shares."""
+                    on_spawn: Callable[[Instance], None],
+                    kv_cache: tuple[str | None, str | None] | None = None) -> None:
+        """STOPPED|FAILED → STARTING and launch the one start task every waiter shares.
+        `kv_cache`: KV cache types the strategy chose for this start (None: as configured)."""
+        if kv_cache is not None:
+            self.started_with = dataclasses.replace(
+                self.spec, cache_type_k=kv_cache[0] or self.spec.cache_type_k,
+                cache_type_v=kv_cache[1] or self.spec.cache_type_v)
+        else:
+            self.started_with = self.spec
         if self.state is State.FAILED:
             self.restarts += 1
         self._transition(State.STARTING)
@@ -251,11 +274,11 @@ class Instance:
         self.port = free_port()
         api_key = secrets.token_urlsafe(24)
         try:
-            argv = self.backend.argv(self.spec, self.port)
+            argv = self.backend.argv(self.started_with, self.port)
         except BinaryNotFound as exc:
             self._fail_start(str(exc))
             raise StartFailed(str(exc)) from exc
-        env = {**self.backend.env(self.spec), **self.backend.auth_env(api_key)}
+        env = {**self.backend.env(self.started_with), **self.backend.auth_env(api_key)}
         process = ChildProcess(self.name, argv, env)
         self.process = process
         self._headers = {"Authorization": f"Bearer {api_key}"}
@@ -516,6 +539,8 @@ class Instance:
             "queue": self.queued,
             "held": self.held,
             "parallel": self.spec.parallel,
+            "cache_type_k": self.started_with.cache_type_k,
+            "cache_type_v": self.started_with.cache_type_v,
             "ttl": self.spec.ttl,
             "ttl_left": ttl_left,
             "pinned": self.pinned,

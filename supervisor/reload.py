@@ -56,7 +56,7 @@ class Plan:
     add: tuple[ModelChange, ...] = ()
     settings: tuple[str, ...] = ()  # top-level keys that changed and apply live
     needs_restart: tuple[str, ...] = ()  # top-level keys that changed and wait for a restart
-    pinned: tuple[str, ...] = ()  # models a pinned group now keeps loaded (were not before)
+    pinned: tuple[str, ...] = ()  # models now kept loaded (pinned groups, the strategy)
     unpinned: tuple[str, ...] = ()
 
     @property
@@ -132,7 +132,7 @@ def _threads_not_in_argv(loaded: LoadedConfig, spec: ModelSpec) -> bool:
 
 
 def _pinned(loaded: LoadedConfig) -> set[str]:
-    return {m for g in loaded.groups.values() if g.pinned for m in g.models}
+    return set(loaded.kept)
 
 
 def _changed_keys(old: Config, new: Config) -> list[str]:

@@ -1,0 +1,40 @@
+"""An example strategy plugin: when room is needed, stop the biggest idle model (it frees the
+most memory) instead of the least recently used one, and start big models with a quantized KV
+cache so they fit beside the others.
+
+Use it from a config (the path is relative to the config file):
+
+    policy:
+      strategy: plugin:contrib/biggest_first.py:BiggestFirst
+      options: {big_model_bytes: 4000000000, kv_cache_type: q8_0}
+
+A strategy subclasses BaseStrategy and overrides the decisions it changes; each gets a Snapshot
+(every model's view, the groups, max_loaded, the time, these options) and must answer at once,
+with no I/O: corral asks on its event loop.
+"""
+
+from __future__ import annotations
+
+from corral.supervisor.policy import BaseStrategy, KvCache, Placement, Snapshot
+
+
+class BiggestFirst(BaseStrategy):
+    name = "biggest-first"
+
+    def place(self, snap: Snapshot, incoming: str) -> Placement:
+        answer = super().place(snap, incoming)
+        if answer.evict is None:
+            return answer
+        kept = self.keep_loaded(snap)
+        idle = [v for v in snap.loaded
+                if v.stoppable and v.name != incoming and v.name not in kept]
+        biggest = max(idle, key=lambda v: (v.size_bytes, -v.last_used))
+        return Placement(fits=False, evict=biggest.name)
+
+    def kv_cache(self, snap: Snapshot, model: str) -> KvCache | None:
+        threshold = int(self.options.get("big_model_bytes", 4_000_000_000))
+        cache_type = str(self.options.get("kv_cache_type", "q8_0"))
+        view = snap.view(model)
+        if view is None or view.size_bytes < threshold:
+            return None
+        return KvCache(cache_type, cache_type)
