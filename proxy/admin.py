@@ -26,7 +26,8 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
         return web.json_response(inst.describe())
 
     async def logs(request: web.Request) -> web.Response:
-        inst = request.app[key].instance(request.match_info["name"])
+        # A replica's own log too: /admin/models/<model>#<n>/logs (the # URL-encoded).
+        inst = request.app[key].member(request.match_info["name"])
         try:
             n = max(1, min(int(request.query.get("lines", "200")), 10_000))
         except ValueError:

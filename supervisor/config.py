@@ -39,9 +39,9 @@ from corral.supervisor.templates import template_problem
 
 __all__ = [
     "Config", "ConfigError", "ConfigIssue", "Defaults", "GroupConfig", "GroupSpec",
-    "LoadedConfig", "ModelConfig", "ModelSpec", "PolicyConfig", "admin_exposure_problem",
-    "admin_is_exposed", "default_config", "load_config", "parse_config", "resolve",
-    "split_listen",
+    "LoadedConfig", "ModelConfig", "ModelSpec", "PolicyConfig", "ReplicasConfig",
+    "admin_exposure_problem", "admin_is_exposed", "default_config", "load_config",
+    "parse_config", "resolve", "split_listen",
 ]
 
 KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
@@ -111,6 +111,14 @@ _OWNED_FLAGS = {
 }
 
 
+class ReplicasConfig(_Strict):
+    min: int = Field(1, ge=1, description="children started when the model loads")
+    max: int = Field(1, ge=1, description="children at most, started as the queue waits")
+    scale_after: float = Field(
+        2.0, gt=0, description="seconds a request waits with every replica busy before one "
+        "more starts")
+
+
 class ModelConfig(_Strict):
     backend: BackendKind = "llama-server"
     model: str
@@ -138,6 +146,18 @@ class ModelConfig(_Strict):
     start_backoff_max: float | None = Field(None, ge=0)
     embeddings: bool = False
     mmproj: str | None = Field(None, description="multimodal projector; relative like model")
+    replicas: int | ReplicasConfig = Field(
+        1, description="identical children behind this name (least busy first): a number, or "
+        "{min, max, scale_after} to scale with the queue and back down on ttl")
+
+    @field_validator("replicas")
+    @classmethod
+    def _check_replicas(cls, value: int | ReplicasConfig) -> int | ReplicasConfig:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("replicas is at least 1")
+        if isinstance(value, ReplicasConfig) and value.max < value.min:
+            raise ValueError(f"replicas.max ({value.max}) is below replicas.min ({value.min})")
+        return value
 
     @field_validator("args")
     @classmethod
@@ -243,6 +263,9 @@ class ModelSpec:
     start_backoff_max: float = _DEFAULTS.start_backoff_max
     embeddings: bool = False
     mmproj: Path | None = None
+    replicas_min: int = 1
+    replicas_max: int = 1
+    scale_after: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -351,6 +374,8 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
     auto_threads = d.threads or max(1, (os.cpu_count() or 1) // config.policy.max_loaded)
 
     def build(name: str, m: ModelConfig) -> ModelSpec:
+        replicas = m.replicas if isinstance(m.replicas, ReplicasConfig) else \
+            ReplicasConfig(min=m.replicas, max=m.replicas)
         return ModelSpec(
             name=name,
             backend=m.backend,
@@ -379,6 +404,9 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
             embeddings=m.embeddings,
             mmproj=_absolute(m.mmproj, base_of(("models", name, "mmproj"))) if m.mmproj else None,
+            replicas_min=replicas.min,
+            replicas_max=replicas.max,
+            scale_after=replicas.scale_after,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}
@@ -420,11 +448,14 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
         raise ConfigError([issue_at(filename, lines, ("policy", "strategy"),
                                     f"the strategy failed: {type(exc).__name__}: {exc}")]) \
             from exc
-    if len(kept) > config.policy.max_loaded:
+    children = sum(models[m].replicas_min for m in kept)  # each replica is a child
+    if children > config.policy.max_loaded:
         raise ConfigError([issue_at(
             filename, lines, ("policy", "max_loaded"),
             f"strategy {config.policy.strategy} keeps {len(kept)} models loaded "
-            f"({', '.join(sorted(kept))}) but max_loaded is {config.policy.max_loaded}")])
+            f"({', '.join(sorted(kept))}"
+            f"{f'; {children} children with their replicas' if children > len(kept) else ''}"
+            f") but max_loaded is {config.policy.max_loaded}")])
     return dataclasses.replace(loaded, strategy=strategy, kept=kept)
 
 

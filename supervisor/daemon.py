@@ -43,6 +43,11 @@ class Daemon:
             name: Instance(spec, BACKENDS[spec.backend], self._on_instance_change)
             for name, spec in loaded.models.items()
         }
+        # Replicas 2..max of models with `replicas`: instances of their own, not routable by
+        # name; acquire() picks among a model's replicas.
+        self.replicas: dict[str, list[Instance]] = {}
+        for inst in self.instances.values():
+            self._fit_replicas(inst, drain=0.0)
         self._changed = Changed()
         self._registry = ChildRegistry(state_file)
         self._session: aiohttp.ClientSession | None = None
@@ -63,8 +68,7 @@ class Daemon:
         self._config_view: tuple[LoadedConfig | None, dict[str, Any]] = (None, {})
         self._preloading: set[str] = set()  # kept-loaded models being loaded by the daemon
         self._strategy_failures: dict[str, str] = {}  # decision → last error (logged once)
-        for name in loaded.kept:
-            self.instances[name].pinned = True
+        self._mark_kept(loaded.kept)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -133,7 +137,21 @@ class Daemon:
 
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [i.describe(now) for i in self.instances.values()]
+        return [r.describe(now) for i in self.instances.values() for r in self.members(i)]
+
+    def members(self, inst: Instance) -> list[Instance]:
+        """A model's replicas, the instance named like it first."""
+        extra = self.replicas.get(inst.name)
+        return [inst, *extra] if extra else [inst]
+
+    def member(self, key: str) -> Instance:
+        """An instance by its own name: a model (or alias), or one replica ("<model>#<n>")."""
+        model, sep, number = key.rpartition("#")
+        if sep and number.isdigit() and model in self.instances:
+            for replica in self.members(self.instances[model]):
+                if replica.name == key:
+                    return replica
+        return self.instance(key)
 
     # -- the door ------------------------------------------------------------------------------
 
@@ -143,8 +161,10 @@ class Daemon:
         if self._closing:
             raise ShuttingDown("corral is shutting down")
         inst = self.instance(name)
-        if inst.state is State.READY and not inst.slots_full:
+        if inst.state is State.READY and not inst.slots_full and inst.spec.replicas_max == 1:
             return await inst.take_slot(inst.spec.queue_timeout)  # the hot path: no waiting
+        if inst.spec.replicas_max > 1:
+            return await self._acquire_replica(inst, ignore_backoff)
         # Bounded in every state: a cold, starting or draining model queues no more than a
         # ready one would (its free slots plus max_queue).
         if inst.queued >= inst.spec.max_queue + inst.free_slots:
@@ -167,6 +187,92 @@ class Daemon:
         finally:
             inst.queued -= 1
 
+    async def _acquire_replica(self, model: Instance, ignore_backoff: bool) -> Lease:
+        """Lease the least busy ready replica of `model`. Loading the model starts
+        replicas.min children; while every replica is busy and a request has waited
+        `scale_after` seconds, one more starts (up to replicas.max); TTL retires idle ones.
+        Requests queue on the model (its first instance counts them), not on one replica:
+        whichever replica frees a slot first serves the next."""
+        spec = model.spec
+        self._keep_min_replicas(model)
+        ready = self._least_busy(model)
+        if ready is not None:
+            return await ready.take_slot(spec.queue_timeout)
+        free = sum(r.free_slots for r in self.members(model) if r.state is State.READY)
+        if model.queued >= spec.max_queue + free:
+            raise QueueFull(f"{model.name}: every replica busy and {model.queued} queued "
+                            f"(max_queue {spec.max_queue})")
+        loop = asyncio.get_running_loop()
+        started_waiting = loop.time()
+        deadline = started_waiting + spec.queue_timeout
+        model.queued += 1
+        try:
+            while True:
+                if self._closing:
+                    raise ShuttingDown("corral is shutting down")
+                if self.instances.get(model.name) is not model:
+                    raise UnknownModel(model.name, sorted(self.instances))
+                self._keep_min_replicas(model)
+                ready = self._least_busy(model)
+                if ready is not None:
+                    return await ready.take_slot(spec.queue_timeout)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise QueueTimeout(f"{model.name}: no replica had a free slot within "
+                                       f"{spec.queue_timeout:g}s")
+                members = self.members(model)
+                up = [r for r in members if r.state in (State.STARTING, State.READY)]
+                if not up:
+                    # Cold: the first replica starts like any model (room, eviction, back-off)
+                    # and the loop below starts the rest of replicas.min.
+                    cold = next((r for r in members if r.state in (State.STOPPED, State.FAILED)),
+                                model)
+                    await self._ensure_ready(cold, deadline, ignore_backoff)
+                    continue
+                waited = loop.time() - started_waiting
+                if waited >= spec.scale_after and len(up) < spec.replicas_max \
+                        and not any(r.state is State.STARTING for r in up):
+                    self._scale_up(model, 1)
+                await self._changed.wait(min(remaining, max(spec.scale_after - waited, 0.05),
+                                             1.0))
+        finally:
+            model.queued -= 1
+
+    def _keep_min_replicas(self, model: Instance) -> None:
+        """A loaded model runs at least replicas.min children (one that died is replaced
+        here, at the next request)."""
+        up = sum(r.state in (State.STARTING, State.READY) for r in self.members(model))
+        if 0 < up < model.spec.replicas_min:
+            self._scale_up(model, model.spec.replicas_min - up)
+
+    def _least_busy(self, model: Instance) -> Instance | None:
+        best: Instance | None = None
+        for replica in self.members(model):
+            if replica.state is State.READY and not replica.slots_full and (
+                    best is None or replica.in_flight < best.in_flight):
+                best = replica
+        return best
+
+    def _scale_up(self, model: Instance, count: int) -> None:
+        """Start up to `count` more replicas where the strategy finds room now; no waiting:
+        the requests queued meanwhile are served by whichever replica frees first."""
+        for replica in self.members(model):
+            if count <= 0:
+                return
+            if replica.state not in (State.STOPPED, State.FAILED) or replica.backoff_left() > 0:
+                continue
+            try:
+                _, placement = self._try_start(replica, None, ignore_backoff=False)
+            except SupervisorError as exc:
+                log.warning("daemon.scale_up_refused", model=model.name,
+                            replica=replica.replica, error=str(exc))
+                return
+            if not placement.fits:
+                return  # an idle model is being evicted for it: the next round starts it
+            log.info("daemon.scaled_up", model=model.name, replica=replica.replica,
+                     queued=model.queued)
+            count -= 1
+
     async def _ensure_ready(self, inst: Instance, deadline: float, ignore_backoff: bool) -> None:
         loop = asyncio.get_running_loop()
         victim: Instance | None = None  # evicted on our behalf, still on its way out
@@ -174,8 +280,8 @@ class Daemon:
         while inst.state is not State.READY:
             if self._closing:
                 raise ShuttingDown("corral is shutting down")
-            if self.instances.get(inst.name) is not inst:  # a reload removed it meanwhile
-                raise UnknownModel(inst.name, sorted(self.instances))
+            if not self._configured(inst):  # a reload removed it meanwhile
+                raise UnknownModel(inst.model, sorted(self.instances))
             now = loop.time()
             remaining = deadline - now
             if remaining <= 0:
@@ -212,7 +318,7 @@ class Daemon:
                 f"{'s' if inst.start_failures != 1 else ''} in a row); next try in "
                 f"{backoff:.1f}s", retry_after=backoff)
         snap = self._snapshot()
-        refusal = self._decide("refuse", None, snap, inst.name)
+        refusal = self._decide("refuse", None, snap, inst.model)
         if refusal:
             raise NotServed(str(refusal))
         placement = self._decide("place", None, snap, inst.name)
@@ -226,9 +332,8 @@ class Daemon:
             return None, placement
         if victim is not None and victim.state is not State.STOPPED:
             return victim, placement
-        if placement.evict and placement.evict in self.instances \
-                and self.instances[placement.evict].state is State.READY:
-            victim = self.instances[placement.evict]
+        victim = self._loaded_member(placement.evict) if placement.evict else None
+        if victim is not None and victim.state is State.READY:
             victim.begin_stop(f"evicted (least recently used) to start {inst.name}")
             return victim, placement
         return None, placement
@@ -277,7 +382,7 @@ class Daemon:
         problem = self._decide("room_for", None, snap, wanted)
         if problem:
             loaded = sorted(i.name for i in self.instances.values() if i.state in LOADED_STATES)
-            raise NoCapacity(f"{what} cannot run: {problem}; loaded now: "
+            raise NoCapacity(f"{what} {problem}; loaded now: "
                              f"{', '.join(loaded) or 'none'}")
 
     # -- admin actions -------------------------------------------------------------------------
@@ -293,7 +398,8 @@ class Daemon:
         hangs up stops waiting, the model still ends STOPPED."""
         inst = self.instance(name)
         drain = 0.0 if force else self.loaded.config.shutdown_grace
-        await inst.stop("unloaded by admin" + (" (forced)" if force else ""), drain=drain)
+        reason = "unloaded by admin" + (" (forced)" if force else "")
+        await asyncio.gather(*(r.stop(reason, drain=drain) for r in self.members(inst)))
         return inst
 
     # -- internals -----------------------------------------------------------------------------
@@ -314,7 +420,8 @@ class Daemon:
             cache_type_v=i.spec.cache_type_v,
             in_flight=i.in_flight,
             queued=i.queued,
-        ) for i in self.instances.values()) + tuple(policy.ModelView(
+            model=i.model,
+        ) for m in self.instances.values() for i in self.members(m)) + tuple(policy.ModelView(
             # Removed by a reload, still draining: it holds its room until it is gone.
             name=f"{i.name} (removed)", loaded=i.state in LOADED_STATES, stoppable=False,
             last_used=i.last_used, ttl=0,
@@ -367,7 +474,7 @@ class Daemon:
         and not expired) or finds the model stopping and starts it again."""
         snap = self._snapshot(now)
         for name in self._decide("expired", [], snap) or []:
-            inst = self.instances.get(name)
+            inst = self._loaded_member(name)
             if inst is None or inst.state is not State.READY or inst.busy:
                 continue  # a strategy may only expire what is idle
             log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
@@ -397,7 +504,48 @@ class Daemon:
     def _everyone(self) -> list[Instance]:
         """Every instance that may hold a child: the configured ones, and those a reload
         removed that are still draining."""
-        return [*self.instances.values(), *self._retiring]
+        return [*(r for i in self.instances.values() for r in self.members(i)),
+                *self._retiring]
+
+    def _configured(self, inst: Instance) -> bool:
+        """Whether `inst` is still one of the config's (a reload may have removed it)."""
+        model = self.instances.get(inst.model)
+        return model is not None and (model is inst or inst in self.replicas.get(inst.model, ()))
+
+    def _loaded_member(self, key: str) -> Instance | None:
+        """The configured instance (a model or one replica) a strategy named, if any."""
+        try:
+            return self.member(key)
+        except UnknownModel:
+            return None
+
+    def _mark_kept(self, kept: Iterable[str]) -> None:
+        """What the strategy keeps loaded: the model, and the replicas it loads with."""
+        kept = set(kept)
+        for inst in self.instances.values():
+            for replica in self.members(inst):
+                replica.pinned = inst.name in kept and replica.replica <= inst.spec.replicas_min
+
+    def _fit_replicas(self, inst: Instance, drain: float, fresh_start: bool = False) -> None:
+        """Give `inst` the replicas its spec asks for: new ones start cold; ones past
+        replicas.max drain and stop."""
+        extra = self.replicas.get(inst.name, [])
+        want = inst.spec.replicas_max - 1
+        for replica in extra[want:]:
+            stop = replica.begin_stop("replicas lowered by a reload", drain=drain)
+            if stop is not None and not stop.done():
+                self._retire(replica, stop)
+        extra = extra[:want]
+        for number in range(len(extra) + 2, want + 2):
+            extra.append(Instance(inst.spec, inst.backend, self._on_instance_change,
+                                  replica=number))
+        for replica in extra:
+            if replica.spec is not inst.spec:
+                replica.reconfigure(inst.spec, inst.backend, fresh_start=fresh_start)
+        if extra:
+            self.replicas[inst.name] = extra
+        else:
+            self.replicas.pop(inst.name, None)
 
     # -- reload --------------------------------------------------------------------------------
 
@@ -490,37 +638,47 @@ class Daemon:
         pinned = new.kept
         self.loaded = new
         for change in plan.update:
-            self.instances[change.name].reconfigure(change.spec)
+            inst = self.instances[change.name]
+            inst.reconfigure(change.spec)
+            self._fit_replicas(inst, drain)
         for change in plan.replace:
             inst = self.instances[change.name]
-            was_up = inst.state in (State.STARTING, State.READY)
             inst.reconfigure(change.spec, backends[change.name], fresh_start=True)
-            stop = None
-            if inst.state in LOADED_STATES:
-                # Leaves READY now: new requests wait in acquire() for the restart; in-flight
-                # ones get `shutdown_grace` to finish.
-                stop = inst.begin_stop("config changed: " + ", ".join(change.fields),
-                                       drain=drain)
+            self._fit_replicas(inst, drain, fresh_start=True)
+            was_up = False
+            stops: list[asyncio.Task[None]] = []
+            for replica in self.members(inst):
+                was_up |= replica.state in (State.STARTING, State.READY)
+                if replica.state in LOADED_STATES:
+                    # Leaves READY now: new requests wait in acquire() for the restart;
+                    # in-flight ones get `shutdown_grace` to finish.
+                    stop = replica.begin_stop("config changed: " + ", ".join(change.fields),
+                                              drain=drain)
+                    if stop is not None:
+                        stops.append(stop)
             # Up before, up after; and a pinned model is kept up (its old settings may be
             # what made it fail).
             if was_up or inst.name in pinned or inst.name in self._restarting:
-                self._restart_after(inst, stop)
+                self._restart_after(inst, stops)
         for name in plan.remove:
             inst = self.instances.pop(name)
-            stop = inst.begin_stop("removed from the config", drain=drain)
-            if stop is not None and not stop.done():
-                self._retire(inst, stop)
+            for replica in [inst, *self.replicas.pop(name, [])]:
+                stop = replica.begin_stop("removed from the config", drain=drain)
+                if stop is not None and not stop.done():
+                    self._retire(replica, stop)
         for change in plan.add:
-            self.instances[change.name] = Instance(change.spec, backends[change.name],
-                                                   self._on_instance_change)
-        for inst in self.instances.values():
-            inst.pinned = inst.name in pinned
+            inst = Instance(change.spec, backends[change.name], self._on_instance_change)
+            self.instances[change.name] = inst
+            self._fit_replicas(inst, drain)
+        self._mark_kept(pinned)
         snap = self._snapshot()
         for inst in self.instances.values():
-            if inst.state in (State.STARTING, State.READY) \
-                    and self._decide("refuse", None, snap, inst.name):
-                inst.begin_stop(f"not served under strategy {new.config.policy.strategy}",
-                                drain=drain)
+            if self._decide("refuse", None, snap, inst.name):
+                for replica in self.members(inst):
+                    if replica.state in (State.STARTING, State.READY):
+                        replica.begin_stop(
+                            f"not served under strategy {new.config.policy.strategy}",
+                            drain=drain)
         for name in plan.pinned:
             if self.instances[name].state in (State.STOPPED, State.FAILED) \
                     and name not in self._restarting:
@@ -538,7 +696,7 @@ class Daemon:
 
         stop.add_done_callback(gone)
 
-    def _restart_after(self, inst: Instance, stop: asyncio.Task[None] | None) -> None:
+    def _restart_after(self, inst: Instance, stops: list[asyncio.Task[None]]) -> None:
         """A model that was up when its child-affecting settings changed is up again after:
         once the old child is gone, start it with the new spec. Requests that waited meanwhile
         may start it first; this then shares that start."""
@@ -548,8 +706,8 @@ class Daemon:
 
         async def restart() -> None:
             try:
-                if stop is not None:
-                    await asyncio.wait([stop])  # never cancels the stop itself
+                if stops:
+                    await asyncio.wait(stops)  # never cancels the stops themselves
             finally:
                 self._restarting.discard(inst.name)
             if self.instances.get(inst.name) is inst and not self._closing \

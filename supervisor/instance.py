@@ -115,8 +115,15 @@ class Health:
 
 
 class Instance:
-    def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None]):
+    def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
+                 replica: int = 1):
         self.spec = spec
+        # A model with `replicas` runs several instances: replica 1 is named like the model,
+        # the others "<model>#<n>". Each is a state machine of its own: replicas start, fail
+        # and scale one by one.
+        self.replica = replica
+        self.name = spec.name if replica == 1 else f"{spec.name}#{replica}"
+
         self.started_with = spec  # the spec of the current (or last) child: spec + KV choice
         self.backend = backend
         self.state = State.STOPPED
@@ -147,10 +154,12 @@ class Instance:
         self._state_changed = Changed()
         self._size: tuple[ModelSpec | None, int] = (None, 0)
         self._on_change = on_change
-        self._log = structlog.get_logger("corral.instance").bind(model=spec.name)
+        self._log = structlog.get_logger("corral.instance").bind(
+            model=spec.name, **({"replica": replica} if replica > 1 else {}))
 
     @property
-    def name(self) -> str:
+    def model(self) -> str:
+        """The configured model this instance serves (its replicas share it)."""
         return self.spec.name
 
     @property
@@ -422,7 +431,7 @@ class Instance:
         queue limits, timeouts, health knobs, aliases) apply at once; argv and environment
         apply at the next start, which the daemon arranges (drain, stop, start) when they
         changed. `fresh_start`: the settings a failed start used are gone, so is its back-off."""
-        if spec.name != self.name:
+        if spec.name != self.model:
             raise ValueError(f"{self.name}: cannot take the spec of {spec.name}")
         self.spec = spec
         if backend is not None:
@@ -527,6 +536,8 @@ class Instance:
         backoff = self.backoff_left(now)
         return {
             "name": self.name,
+            "replica_of": self.model if self.spec.replicas_max > 1 else None,
+            "replica": self.replica,
             "backend": self.spec.backend,
             "model_path": str(self.spec.model_path),
             "aliases": list(self.spec.aliases),

@@ -41,6 +41,7 @@ class ModelView:
     cache_type_v: str | None = None
     in_flight: int = 0
     queued: int = 0
+    model: str = ""  # the configured model; a replica's view is named "<model>#<n>"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class Snapshot:
 
     def view(self, name: str) -> ModelView | None:
         return next((v for v in self.models if v.name == name), None)
+
+    def model_of(self, name: str) -> str:
+        """The configured model behind a view's name (itself, unless it is a replica)."""
+        found = self.view(name)
+        return found.model if found is not None and found.model else name
 
     @property
     def loaded(self) -> list[ModelView]:
@@ -160,6 +166,7 @@ class BaseStrategy:
     # -- derived decisions -------------------------------------------------------------------------
 
     def pool_of(self, snap: Snapshot, model: str) -> Pool:
+        model = snap.model_of(model)
         pools = self.pools(snap)
         for pool in pools:
             if pool.members is not None and model in pool.members:
@@ -175,7 +182,7 @@ class BaseStrategy:
         in_pool = [v for v in loaded if self.pool_of(snap, v.name) == pool]
         if len(in_pool) < pool.capacity and len(loaded) < snap.max_loaded:
             return Placement(fits=True)
-        kept = self.keep_loaded(snap)
+        kept = self.kept_views(snap)
         # Over the pool's share: make room inside the pool. Under it but over max_loaded (a
         # removed model still draining, say): anything idle and not kept may go.
         scope = in_pool if len(in_pool) >= pool.capacity else loaded
@@ -185,6 +192,11 @@ class BaseStrategy:
             return Placement(fits=False, evict=victim.name)
         return Placement(fits=False, blocked_by=tuple(sorted(v.name for v in scope)))
 
+    def kept_views(self, snap: Snapshot) -> frozenset[str]:
+        """The views of what is kept loaded: a kept model's replicas are kept too."""
+        kept = self.keep_loaded(snap)
+        return frozenset(v.name for v in snap.models if (v.model or v.name) in kept)
+
     def room_for(self, snap: Snapshot, models: frozenset[str]) -> str | None:
         kept = self.keep_loaded(snap)
         together = models | kept
@@ -193,21 +205,24 @@ class BaseStrategy:
             for pool in pools:
                 members = {m for m in together if self.pool_of(snap, m) == pool}
                 if len(members) > pool.capacity:
-                    return (f"pool {pool.name} would need {len(members)} models loaded at "
-                            f"once ({', '.join(sorted(members))}) but holds {pool.capacity}")
+                    return (f"needs {len(members)} models loaded at once in pool {pool.name} "
+                            f"({', '.join(sorted(members))}) but it holds {pool.capacity}")
         if len(together) > snap.max_loaded:
-            return (f"{len(models)} models ({', '.join(sorted(models))}) with the "
-                    f"{len(kept - models)} kept loaded exceed max_loaded {snap.max_loaded}")
+            others = kept - models
+            held = f" and {len(others)} kept loaded ({', '.join(sorted(others))})" \
+                if others else ""
+            return (f"needs {len(models)} models loaded at once ({', '.join(sorted(models))})"
+                    f"{held} but max_loaded is {snap.max_loaded}")
         return None
 
     def expired(self, snap: Snapshot) -> list[str]:
-        kept = self.keep_loaded(snap)
+        kept = self.kept_views(snap)
         return [v.name for v in snap.models
                 if v.loaded and v.stoppable and v.name not in kept and v.ttl > 0
                 and snap.now - v.last_used >= v.ttl]
 
     def next_expiry(self, snap: Snapshot) -> float | None:
-        kept = self.keep_loaded(snap)
+        kept = self.kept_views(snap)
         waits = [v.ttl - (snap.now - v.last_used) for v in snap.models
                  if v.loaded and v.stoppable and v.name not in kept and v.ttl > 0]
         return max(0.0, min(waits)) if waits else None
@@ -261,8 +276,8 @@ class FixedAppliance(BaseStrategy):
 
     def _fixed(self, snap: Snapshot) -> frozenset[str]:
         listed = self.options.get("models")
-        return frozenset(listed) if listed else frozenset(v.name for v in snap.models
-                                                          if not v.name.endswith(" (removed)"))
+        return frozenset(listed) if listed else frozenset(
+            v.model or v.name for v in snap.models if not v.name.endswith(" (removed)"))
 
     def keep_loaded(self, snap: Snapshot) -> frozenset[str]:
         return self._fixed(snap)

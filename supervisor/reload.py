@@ -31,6 +31,7 @@ LIVE_FIELDS = frozenset({
     "aliases", "ttl", "start_timeout", "max_queue", "queue_timeout", "stop_grace",
     "first_byte_timeout", "idle_timeout", "health_interval", "health_timeout",
     "health_failures", "start_backoff", "start_backoff_max",
+    "replicas_min", "replicas_max", "scale_after",  # the daemon adds or retires children
 })
 
 # Read once, when `corral serve` starts (the listening socket, aiohttp's body limit, the pid

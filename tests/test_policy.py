@@ -71,7 +71,7 @@ def test_generic_keeps_pinned_groups_and_loads_everything_on_demand():
 def test_room_for_counts_kept_models():
     s = snap([view(n, loaded=False) for n in "abcd"], 3, pinned={"a"})
     assert Generic().room_for(s, frozenset("bc")) is None
-    assert "max_loaded 3" in Generic().room_for(s, frozenset("bcd"))
+    assert "max_loaded is 3" in Generic().room_for(s, frozenset("bcd"))
 
 
 # -- pinned-group ------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def test_multi_group_room_for_a_group_is_its_share():
     strategy = MultiGroup({"shares": {"council": 2, "core2": 2}})
     s = snap([view(n, loaded=False) for n in "abcdef"], 4, groups=GROUPS)
     assert strategy.room_for(s, frozenset("ab")) is None
-    assert "pool council" in strategy.room_for(s, frozenset("abc"))
+    assert "in pool council" in strategy.room_for(s, frozenset("abc"))
 
 
 # -- fixed-appliance ---------------------------------------------------------------------------
@@ -219,3 +219,18 @@ def test_strategy_settings_are_checked_with_the_line_they_are_on():
         "policy: {options: {x: 1}}")
     message = config_error("policy:\n  strategy: multi-group\n  shares: {g1: 1, g3: 1}\n")
     assert "<config>:12: policy.shares.g3: unknown group 'g3'" in message
+
+
+def test_a_replica_is_placed_in_its_models_pool_and_kept_with_it():
+    views = [ModelView("a", True, True, 0.0, 300.0, model="a"),
+             ModelView("a#2", True, True, 1.0, 300.0, model="a"),
+             ModelView("c", True, True, 0.5, 300.0, model="c"),
+             ModelView("a#3", False, False, 0.0, 300.0, model="a")]
+    groups = {"g": ("a", "b", "x")}  # bigger than its share: members swap inside it
+    multi = MultiGroup({"shares": {"g": 2}})
+    s = Snapshot(tuple(views), groups, 3, 0.0)
+    # a#3 belongs to group g's share (2, full with a and a#2): it swaps there, never with c.
+    assert multi.place(s, "a#3").evict == "a"
+    pinned = Snapshot(tuple(views), groups, 3, 1000.0, frozenset({"a"}))
+    assert Generic().kept_views(pinned) == {"a", "a#2", "a#3"}
+    assert Generic().expired(pinned) == ["c"]

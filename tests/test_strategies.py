@@ -59,7 +59,7 @@ def test_multi_group_never_evicts_another_groups_members(start_corral, tiny_mode
     resp = corral.http.post("/v1/batch/execute", json={
         "group": "two", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert resp.status_code == 503, resp.text
-    assert "pool two" in resp.json()["error"]["message"]
+    assert "in pool two" in resp.json()["error"]["message"]
 
 
 def test_fixed_appliance_serves_its_set_refuses_the_rest_and_restarts_a_crash(start_corral,

@@ -25,7 +25,7 @@ class BiggestFirst(BaseStrategy):
         answer = super().place(snap, incoming)
         if answer.evict is None:
             return answer
-        kept = self.keep_loaded(snap)
+        kept = self.kept_views(snap)
         idle = [v for v in snap.loaded
                 if v.stoppable and v.name != incoming and v.name not in kept]
         biggest = max(idle, key=lambda v: (v.size_bytes, -v.last_used))
