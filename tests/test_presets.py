@@ -1,0 +1,220 @@
+"""The shipped presets: each passes `corral check`, matches the committed JSON Schema (which
+must equal `corral schema`'s output), starts with the yaml-language-server line, and serves a
+request as is, straight from its file, on the demo model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import yaml
+
+from conftest import Corral, CorralFactory, free_port, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = REPO / "presets"
+SCHEMA = PRESETS / "corral.schema.json"
+ALL = sorted(PRESETS.rglob("*.yaml"))
+IDS = [str(p.relative_to(PRESETS)) for p in ALL]
+CLI = [sys.executable, "-m", "corral.supervisor.cli"]
+QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_the_presets_are_there() -> None:
+    names = {str(p.relative_to(PRESETS)) for p in ALL}
+    assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
+            "fixed-appliance.yaml", "contrib/biggest-first.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=IDS)
+def test_corral_check_passes(path: Path) -> None:
+    done = subprocess.run([*CLI, "check", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert ": ok (" in done.stdout
+
+
+@pytest.mark.parametrize("path", ALL, ids=IDS)
+def test_the_first_line_points_editors_at_the_schema(path: Path) -> None:
+    relative = Path("..") if path.parent != PRESETS else Path(".")
+    first = path.read_text().splitlines()[0]
+    assert first == f"# yaml-language-server: $schema={relative.as_posix()}/corral.schema.json"
+    # ...and that path reaches the schema from the preset's folder.
+    assert (path.parent / relative / "corral.schema.json").resolve() == SCHEMA
+
+
+def test_the_committed_schema_is_what_corral_schema_prints() -> None:
+    done = subprocess.run([*CLI, "schema"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == SCHEMA.read_text(), (
+        "presets/corral.schema.json is stale: regenerate it with "
+        "`.venv/bin/corral schema > presets/corral.schema.json`")
+    schema = json.loads(done.stdout)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["title"]
+    jsonschema.Draft202012Validator.check_schema(schema)
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+
+
+@pytest.mark.parametrize("path", ALL, ids=IDS)
+def test_every_preset_validates_against_the_schema(path: Path,
+                                                   validator: jsonschema.Draft202012Validator
+                                                   ) -> None:
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in validator.iter_errors(yaml.safe_load(path.read_text()))]
+    assert not errors, errors
+
+
+def test_the_schema_catches_what_check_catches(
+        validator: jsonschema.Draft202012Validator) -> None:
+    """The schema is strict like the models it comes from, so an editor flags typos."""
+    good = {"policy": {"strategy": "multi-group", "shares": {"g": 1}},
+            "models": {"m": {"model": "m.gguf", "ttl": 0, "args": ["--temp", "0.1"]}}}
+    assert validator.is_valid(good)
+    for bad in ({"models": {"m": {"model": "m.gguf", "tll": 5}}},   # unknown key
+                {"models": {"m": {"ttl": 5}}},                      # model is required
+                {"defaults": {"parallel": 0}},                      # below its minimum
+                {"groups": {"g": {"models": ["m"], "type": "vote"}}}):  # not a group type
+        assert not validator.is_valid(bad), bad
+
+
+# -- serving each preset as is --------------------------------------------------------------------
+
+def serve_preset(factory: CorralFactory, path: Path) -> Corral:
+    """`corral serve -c <preset>` from the preset's own file (its relative model paths and
+    plugin path resolve against presets/), on a free port, with its log and pid file in the
+    factory's folder; the factory's close() stops it and fails on any orphaned child."""
+    port = free_port()
+    n = len(factory.started)
+    log_path = factory.folder / f"preset-{n}.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "-c", str(path), "--listen", f"127.0.0.1:{port}",
+             "--state-dir", str(factory.folder / "state"), "--log-format", "json",
+             "--log-level", "debug"],
+            stdout=subprocess.DEVNULL, stderr=log_file, cwd=factory.folder)
+    corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, path)
+    factory.started.append(corral)
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"corral exited:\n{log_path.read_text()}"
+        try:
+            return httpx.get(corral.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(healthy, timeout=15)
+    return corral
+
+
+def ask(corral: Corral, model: str) -> str:
+    """One chat completion through the OpenAI SDK: 200 with some content."""
+    answer = corral.client(timeout=120).chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=8)
+    content = answer.choices[0].message.content
+    assert content and content.strip(), answer
+    return content
+
+
+def ask_group(corral: Corral, group: str) -> dict[str, Any]:
+    """One POST /v1/batch/execute: 200, complete, and every member answered something."""
+    resp = corral.http.post("/v1/batch/execute", timeout=180, json={
+        "group": group, "messages": QUESTION, "max_tokens": 8})
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    assert result["complete"], result
+    for member in result["responses"]:
+        assert member["status"] == "ok" and member["content"].strip(), result
+    if result["type"] in ("fan_out", "consensus", "chain"):
+        assert result["final"].strip(), result
+    return result
+
+
+def ready(corral: Corral, names: list[str]) -> bool:
+    models = corral.models()
+    return all(models[n]["state"] == "ready" for n in names)
+
+
+def loaded(corral: Corral) -> set[str]:
+    return {n for n, m in corral.models().items() if m["state"] in ("starting", "ready")}
+
+
+def test_generic_serves_on_demand(start_corral: CorralFactory, smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "generic.yaml")
+    assert loaded(corral) == set()
+    ask(corral, "default")  # the alias of `smol`
+    assert corral.model("smol")["state"] == "ready"
+
+
+def test_groups_serves_its_groups(start_corral: CorralFactory, smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "groups.yaml")
+    # council is pinned: both members come up without a request.
+    assert wait_until(lambda: ready(corral, ["smol-careful", "smol-creative"]), timeout=60)
+    ask(corral, "smol-careful")
+    ask(corral, "council")  # exposed as a model
+    result = ask_group(corral, "both")
+    assert [r["model"] for r in result["responses"]] == ["smol-careful", "smol-creative"]
+
+
+def test_pinned_group_keeps_the_council_up(start_corral: CorralFactory,
+                                           smol_model: Path) -> None:
+    council = ["judge-careful", "judge-balanced", "judge-creative"]
+    corral = serve_preset(start_corral, PRESETS / "pinned-group.yaml")
+    assert wait_until(lambda: ready(corral, council), timeout=60)
+    assert corral.model("assistant")["state"] == "stopped"  # on demand
+    ask(corral, "default")  # the alias of `assistant`
+    assert loaded(corral) == {*council, "assistant"}
+    ask(corral, "council")  # exposed as a model: the synthesized answer
+    result = ask_group(corral, "council")
+    assert result["synthesis"]["model"] == "judge-careful"
+
+
+def test_multi_group_keeps_both_cores_up(start_corral: CorralFactory,
+                                         smol_model: Path) -> None:
+    core_a = ["a-careful", "a-balanced", "a-creative"]
+    core_b = ["b-careful", "b-balanced", "b-creative"]
+    corral = serve_preset(start_corral, PRESETS / "multi-group.yaml")
+    # Each share is as big as its core: all six load at boot.
+    assert wait_until(lambda: ready(corral, core_a + core_b), timeout=90)
+    pids = {n: corral.model(n)["pid"] for n in core_a + core_b}
+    ask(corral, "b-careful")
+    result = ask_group(corral, "core_a")
+    assert [r["model"] for r in result["responses"]] == core_a
+    ask(corral, "core_b")  # exposed as a model: the majority answer
+    assert {n: corral.model(n)["pid"] for n in pids} == pids  # nothing swapped
+
+
+def test_fixed_appliance_serves_its_set_only(start_corral: CorralFactory,
+                                             smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "fixed-appliance.yaml")
+    assert wait_until(lambda: ready(corral, ["chat", "summarize"]), timeout=60)
+    ask(corral, "chat")
+    ask(corral, "summarize")
+    resp = corral.chat("experimental", max_tokens=8)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "model_not_served"
+    assert loaded(corral) == {"chat", "summarize"}
+
+
+def test_biggest_first_plugin_runs(start_corral: CorralFactory, smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "contrib" / "biggest-first.yaml")
+    for name in ("small-a", "small-b", "small-c"):
+        ask(corral, name)
+    # max_loaded 2: the third start stopped one of the first two.
+    assert len(loaded(corral)) == 2 and "small-c" in loaded(corral)
+    assert corral.log_events("instance.stop")
+    # The demo model is over big_model_bytes: the plugin started it with a q8_0 KV cache.
+    small_c = corral.model("small-c")
+    assert (small_c["cache_type_k"], small_c["cache_type_v"]) == ("q8_0", "q8_0")
+    argv = corral.spawned("small-c")[-1]["argv"]
+    assert argv[argv.index("--cache-type-k") + 1] == "q8_0"
