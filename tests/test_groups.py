@@ -402,4 +402,4 @@ def test_capacity_check_counts_other_groups_pinned_models(start_corral, tiny_mod
     wait_until(lambda: corral.model("tiny-a")["state"] == "ready")
     resp = batch(corral, "pair", max_tokens=2)
     assert resp.status_code == 503
-    assert "and 1 pinned (tiny-a) but max_loaded is 2" in resp.json()["error"]["message"]
+    assert "and 1 kept loaded (tiny-a) but max_loaded is 2" in resp.json()["error"]["message"]

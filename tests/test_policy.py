@@ -234,3 +234,22 @@ def test_a_replica_is_placed_in_its_models_pool_and_kept_with_it():
     pinned = Snapshot(tuple(views), groups, 3, 1000.0, frozenset({"a"}))
     assert Generic().kept_views(pinned) == {"a", "a#2", "a#3"}
     assert Generic().expired(pinned) == ["c"]
+
+
+def test_a_strategy_named_by_an_entry_point_loads(tmp_path, monkeypatch):
+    # An installed distribution that declares an entry point in the group corral.strategies.
+    (tmp_path / "night_shift.py").write_text(
+        "from corral.supervisor.policy import BaseStrategy\n"
+        "class NightShift(BaseStrategy):\n"
+        "    name = 'night-shift'\n"
+        "    def refuse(self, snap, model):\n"
+        "        return None if model == 'small' else 'only small at night'\n")
+    dist = tmp_path / "night_shift-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: night-shift\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[corral.strategies]\nnight-shift = night_shift:NightShift\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    strategy = load_strategy("night-shift", {}, tmp_path)
+    assert strategy.refuse(snap([], 1), "big") == "only small at night"
+    assert strategy.refuse(snap([], 1), "small") is None
