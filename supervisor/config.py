@@ -197,8 +197,9 @@ class GroupConfig(_Strict):
 
 
 class Config(_Strict):
-    include: list[str] = Field(
-        [], description="files merged in before this one (relative to it), in order")
+    include: list[str] | str = Field(
+        [], description="files merged in before this one (relative to it), in order; "
+        "one name or a list")
     listen: str = "127.0.0.1:8080"
     models_dir: str | None = None
     api_keys: list[str] = []
