@@ -16,6 +16,7 @@ import structlog
 
 from corral.supervisor import policy
 from corral.supervisor import reload as reloading
+from corral.supervisor.backends.base import Backend
 from corral.supervisor.backends.llama_server import BACKENDS
 from corral.supervisor.config import ConfigError, ConfigIssue, LoadedConfig, load_config
 from corral.supervisor.errors import (
@@ -59,6 +60,9 @@ class Daemon:
         self._config_loader = config_loader or self._load_source
         self._reload_lock = asyncio.Lock()
         self._retiring: set[Instance] = set()
+        # Blue/green: the new child of a model whose settings changed, starting beside the
+        # old one that still serves; swapped in once ready.
+        self._incoming: dict[str, Instance] = {}
         self._restarting: set[str] = set()
         self.last_reload: reloading.ReloadAttempt | None = None
         self._recent_reloads: collections.deque[reloading.ReloadAttempt] = \
@@ -175,7 +179,16 @@ class Daemon:
         inst.queued += 1
         try:
             while True:
+                current = self.instances.get(inst.model)
+                if current is not None and current is not inst:
+                    # A reload switched the model to a new child (blue/green) while we
+                    # queued: wait for that one instead.
+                    inst.queued -= 1
+                    inst = current
+                    inst.queued += 1
                 await self._ensure_ready(inst, deadline, ignore_backoff)
+                if not self._configured(inst):
+                    continue
                 try:
                     lease = await inst.take_slot(max(deadline - loop.time(), 0.001))
                 except TimeoutError:
@@ -280,8 +293,10 @@ class Daemon:
         while inst.state is not State.READY:
             if self._closing:
                 raise ShuttingDown("corral is shutting down")
-            if not self._configured(inst):  # a reload removed it meanwhile
+            if inst.model not in self.instances:  # a reload removed it meanwhile
                 raise UnknownModel(inst.model, sorted(self.instances))
+            if not self._configured(inst):
+                return  # replaced by a new child: the caller goes to that one
             now = loop.time()
             remaining = deadline - now
             if remaining <= 0:
@@ -425,7 +440,10 @@ class Daemon:
             # Removed by a reload, still draining: it holds its room until it is gone.
             name=f"{i.name} (removed)", loaded=i.state in LOADED_STATES, stoppable=False,
             last_used=i.last_used, ttl=0,
-        ) for i in self._retiring)
+        ) for i in self._retiring) + tuple(policy.ModelView(
+            name=f"{i.name} (new)", loaded=i.state in LOADED_STATES, stoppable=False,
+            last_used=i.last_used, ttl=0, model=i.model,
+        ) for i in self._incoming.values())
         return self.loaded.snapshot(views, time.monotonic() if now is None else now)
 
     def _decide(self, decision: str, fallback: Any, *args: Any) -> Any:
@@ -505,7 +523,7 @@ class Daemon:
         """Every instance that may hold a child: the configured ones, and those a reload
         removed that are still draining."""
         return [*(r for i in self.instances.values() for r in self.members(i)),
-                *self._retiring]
+                *self._incoming.values(), *self._retiring]
 
     def _configured(self, inst: Instance) -> bool:
         """Whether `inst` is still one of the config's (a reload may have removed it)."""
@@ -641,8 +659,15 @@ class Daemon:
             inst = self.instances[change.name]
             inst.reconfigure(change.spec)
             self._fit_replicas(inst, drain)
+            if change.name in self._incoming:
+                self._incoming[change.name].reconfigure(change.spec)
         for change in plan.replace:
+            superseded = self._incoming.pop(change.name, None)
+            if superseded is not None:  # a newer change overtakes a switch-over under way
+                superseded.begin_stop("superseded by a newer config change")
             inst = self.instances[change.name]
+            if self._begin_switch_over(inst, change, backends[change.name], drain):
+                continue
             inst.reconfigure(change.spec, backends[change.name], fresh_start=True)
             self._fit_replicas(inst, drain, fresh_start=True)
             was_up = False
@@ -661,6 +686,9 @@ class Daemon:
             if was_up or inst.name in pinned or inst.name in self._restarting:
                 self._restart_after(inst, stops)
         for name in plan.remove:
+            incoming = self._incoming.pop(name, None)
+            if incoming is not None:
+                incoming.begin_stop("removed from the config")
             inst = self.instances.pop(name)
             for replica in [inst, *self.replicas.pop(name, [])]:
                 stop = replica.begin_stop("removed from the config", drain=drain)
@@ -683,6 +711,69 @@ class Daemon:
             if self.instances[name].state in (State.STOPPED, State.FAILED) \
                     and name not in self._restarting:
                 self._spawn_task(self._preload(name))
+        self._changed.fire()
+
+    def _begin_switch_over(self, old: Instance, change: reloading.ModelChange,
+                           backend: Backend, drain: float) -> bool:
+        """Blue/green for a ready model whose child-affecting settings changed: start the new
+        child beside the old one (which keeps serving) when the strategy finds room for both
+        without evicting anything; once it is ready, it takes the model's name and the old one
+        drains. False (the caller restarts in place) for replicas, a model not serving now,
+        or no room."""
+        if old.spec.replicas_max > 1 or change.spec.replicas_max > 1 \
+                or old.state is not State.READY or self._closing:
+            return False
+        snap = self._snapshot()
+        placement = self._decide("place", None, snap, f"{old.name} (new)")
+        if placement is None or not placement.fits:
+            return False
+        fresh = Instance(change.spec, backend, self._on_instance_change)
+        fresh.pinned = old.pinned
+        kv = self._decide("kv_cache", None, snap, old.name)
+        self._incoming[old.name] = fresh
+        fresh.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None)
+        log.info("daemon.switch_over_started", model=old.name, old_pid=old.pid,
+                 fields=list(change.fields))
+        self._spawn_task(self._switch_over(old, fresh, change, drain))
+        return True
+
+    async def _switch_over(self, old: Instance, fresh: Instance,
+                           change: reloading.ModelChange, drain: float) -> None:
+        name = old.name
+        try:
+            await fresh.wait_ready()
+        except (SupervisorError, asyncio.CancelledError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the daemon is closing: close() stops every child
+            if self._incoming.get(name) is not fresh:
+                return  # superseded or removed: whoever did that took over
+            del self._incoming[name]
+            fresh.begin_stop("its switch-over failed")
+            log.warning("daemon.switch_over_failed", model=name, error=str(exc),
+                        old_pid=old.pid, note="the previous child keeps serving")
+            if self.instances.get(name) is old:
+                # Nothing fails: the old child goes on serving. It takes the new settings, so
+                # its next start uses them (and shows their failure); admin shows why now.
+                old.reconfigure(fresh.spec, fresh.backend)
+                old.last_error = (f"the new settings ({', '.join(change.fields)}) failed to "
+                                  f"start: {exc}; the previous child keeps serving")
+            return
+        if self._incoming.get(name) is not fresh or self.instances.get(name) is not old \
+                or self._closing:
+            fresh.begin_stop("superseded before it was switched in")
+            return
+        del self._incoming[name]
+        fresh.last_used = old.last_used
+        fresh.pinned = old.pinned
+        self.instances[name] = fresh
+        stop = old.begin_stop("replaced by its new child (config changed: "
+                              + ", ".join(change.fields) + ")", drain=drain)
+        old.wake_waiters()  # requests queued on the old child go to the new one
+        if stop is not None and not stop.done():
+            self._retire(old, stop)
+        log.info("daemon.switched_over", model=name, old_pid=old.pid, pid=fresh.pid)
+        self._persist_children()
         self._changed.fire()
 
     def _retire(self, inst: Instance, stop: asyncio.Task[None]) -> None:

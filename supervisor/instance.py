@@ -442,6 +442,12 @@ class Instance:
         self._log.info("instance.reconfigured", state=str(self.state), pid=self.pid)
         self._on_change()
 
+    def wake_waiters(self) -> None:
+        """This instance will serve no more (a new child took its name): requests blocked on
+        its slots wake, find it not READY, give the slot back and go to the new one."""
+        for _ in range(self.queued):
+            self._slots.release()
+
     def _fit_slots(self) -> None:
         """At a start: a reload changed `parallel`, so the new child gets a new set of slots.
         Leases still out return to the old set (Lease keeps it); requests blocked on the old

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -403,7 +404,9 @@ def test_admin_reload_answers_with_what_changed(corral):
     assert again["changes"]["unchanged"] == len(corral.models())
 
 
-def test_ctx_change_restarts_once_and_the_stream_in_flight_finishes(corral):
+def test_ctx_change_switches_to_a_new_child_while_the_old_one_finishes(corral):
+    """Blue/green: with room for both, the new child starts beside the old one, which keeps
+    serving; once ready it takes the name, and the old one drains its stream."""
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-b"])
     stream, result = in_background(lambda: corral.http.post(
@@ -415,6 +418,57 @@ def test_ctx_change_restarts_once_and_the_stream_in_flight_finishes(corral):
     wait_until(lambda: corral.model("tiny-a")["queue"] == 1)
     config = setup.main()
     config["models"]["tiny-a"]["ctx"] = 4096
+    attempt = wait_reload(corral, write(corral.config_path, config))
+    assert attempt["changes"]["restarted"] == {"tiny-a": ["ctx"]}, attempt
+    # The new child serves both requests while the old one's stream is still running.
+    waiting = corral.chat("tiny-a", max_tokens=2)
+    assert waiting.status_code == 200, waiting.text
+    queued.join(120)
+    assert queued_result[0].status_code == 200, queued_result[0].text
+    assert stream.is_alive(), "the switch should not have waited for the stream"
+    events = corral.spawned("tiny-a")
+    assert corral.model("tiny-a")["pid"] == events[-1]["pid"] != pids["tiny-a"]
+    stream.join(120)
+    assert whole_stream(result[0], LONG_STREAM["max_tokens"]), result[0].text[-300:]
+    assert len(corral.spawned("tiny-a")) == spawned["tiny-a"] + 1  # exactly one new child...
+    argv = events[-1]["argv"]
+    assert argv[argv.index("--ctx-size") + 1] == "4096"  # ...with the new settings
+    stops = [e for e in corral.log_events("instance.stop") if e["model"] == "tiny-a"]
+    assert stops[-1]["reason"] == "replaced by its new child (config changed: ctx)"
+    assert stops[-1]["pid"] == pids["tiny-a"]
+    assert corral.log_events("daemon.switched_over")[-1]["old_pid"] == pids["tiny-a"]
+    assert wait_until(lambda: not same_pid_running(pids["tiny-a"]), timeout=20)
+    _untouched(corral, {"tiny-b": pids["tiny-b"]}, {"tiny-b": spawned["tiny-b"]})
+
+
+def test_a_new_child_that_fails_to_start_leaves_the_old_one_serving(corral):
+    corral, setup = corral
+    pids, spawned = _loaded_now(corral, ["tiny-a"])
+    config = setup.main()
+    config["models"]["tiny-a"]["args"] = ["--no-such-flag"]
+    attempt = wait_reload(corral, write(corral.config_path, config))
+    assert attempt["changes"]["restarted"] == {"tiny-a": ["args"]}, attempt
+    assert wait_until(lambda: corral.log_events("daemon.switch_over_failed"), timeout=20)
+    model = corral.model("tiny-a")
+    assert model["pid"] == pids["tiny-a"] and model["state"] == "ready"
+    assert "failed to start" in model["last_error"]
+    assert corral.chat("tiny-a", max_tokens=2).status_code == 200
+    assert len(corral.spawned("tiny-a")) == spawned["tiny-a"] + 1  # the one failed try
+
+
+def test_ctx_change_without_room_for_both_restarts_in_place(corral):
+    corral, setup = corral
+    pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-b"])
+    stream, result = in_background(lambda: corral.http.post(
+        "/v1/chat/completions", json={"model": "tiny-a", "messages": [
+            {"role": "user", "content": "go"}], **LONG_STREAM}, timeout=120))
+    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
+    # One more waits for tiny-a's only slot already, before the reload.
+    queued, queued_result = in_background(lambda: corral.chat("tiny-a", max_tokens=2))
+    wait_until(lambda: corral.model("tiny-a")["queue"] == 1)
+    config = setup.main()
+    config["models"]["tiny-a"]["ctx"] = 4096
+    config["policy"]["max_loaded"] = 2  # full: no room for a second tiny-a child
     attempt = wait_reload(corral, write(corral.config_path, config))
     assert attempt["changes"]["restarted"] == {"tiny-a": ["ctx"]}, attempt
     assert corral.model("tiny-a")["state"] == "draining"
@@ -436,14 +490,23 @@ def test_ctx_change_restarts_once_and_the_stream_in_flight_finishes(corral):
     _untouched(corral, {"tiny-b": pids["tiny-b"]}, {"tiny-b": spawned["tiny-b"]})
 
 
+def same_pid_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_parallel_change_restarts_with_new_slots(corral):
     corral, setup = corral
-    _loaded_now(corral, ["tiny-b"])
+    pids, _ = _loaded_now(corral, ["tiny-b"])
     config = setup.main()
     config["models"]["tiny-b"]["parallel"] = 2
     attempt = wait_reload(corral, write(corral.config_path, config))
     assert attempt["changes"]["restarted"] == {"tiny-b": ["parallel"]}
-    wait_until(lambda: corral.model("tiny-b")["state"] == "ready", timeout=30)
+    # Switched over to the new child (blue/green): its pid under the model's name.
+    wait_until(lambda: corral.model("tiny-b")["state"] == "ready"
+               and corral.model("tiny-b")["pid"] != pids["tiny-b"], timeout=30)
     body = {"model": "tiny-b", "messages": [{"role": "user", "content": "go"}], **LONG_STREAM}
     runs = [in_background(lambda: corral.http.post("/v1/chat/completions", json=body,
                                                    timeout=120)) for _ in range(2)]
