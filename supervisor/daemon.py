@@ -63,6 +63,7 @@ class Daemon:
         # Blue/green: the new child of a model whose settings changed, starting beside the
         # old one that still serves; swapped in once ready.
         self._incoming: dict[str, Instance] = {}
+        self._evicting_for: dict[str, Instance] = {}  # model → the idle one stopped for it
         self._restarting: set[str] = set()
         self.last_reload: reloading.ReloadAttempt | None = None
         self._recent_reloads: collections.deque[reloading.ReloadAttempt] = \
@@ -269,19 +270,25 @@ class Daemon:
     def _scale_up(self, model: Instance, count: int) -> None:
         """Start up to `count` more replicas where the strategy finds room now; no waiting:
         the requests queued meanwhile are served by whichever replica frees first."""
+        victim = self._evicting_for.get(model.name)
+        if victim is not None and victim.state is not State.STOPPED:
+            return  # room is being made for the last replica: one eviction at a time
+        self._evicting_for.pop(model.name, None)
         for replica in self.members(model):
             if count <= 0:
                 return
             if replica.state not in (State.STOPPED, State.FAILED) or replica.backoff_left() > 0:
                 continue
             try:
-                _, placement = self._try_start(replica, None, ignore_backoff=False)
+                victim, placement = self._try_start(replica, None, ignore_backoff=False)
             except SupervisorError as exc:
                 log.warning("daemon.scale_up_refused", model=model.name,
                             replica=replica.replica, error=str(exc))
                 return
             if not placement.fits:
-                return  # an idle model is being evicted for it: the next round starts it
+                if victim is not None:  # evicted for it: the next round starts it
+                    self._evicting_for[model.name] = victim
+                return
             log.info("daemon.scaled_up", model=model.name, replica=replica.replica,
                      queued=model.queued)
             count -= 1
@@ -723,14 +730,15 @@ class Daemon:
         if old.spec.replicas_max > 1 or change.spec.replicas_max > 1 \
                 or old.state is not State.READY or self._closing:
             return False
+        fresh = Instance(change.spec, backend, self._on_instance_change)
+        self._incoming[old.name] = fresh  # seen by the strategy, as "<model> (new)"
         snap = self._snapshot()
         placement = self._decide("place", None, snap, f"{old.name} (new)")
         if placement is None or not placement.fits:
+            del self._incoming[old.name]
             return False
-        fresh = Instance(change.spec, backend, self._on_instance_change)
         fresh.pinned = old.pinned
         kv = self._decide("kv_cache", None, snap, old.name)
-        self._incoming[old.name] = fresh
         fresh.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None)
         log.info("daemon.switch_over_started", model=old.name, old_pid=old.pid,
                  fields=list(change.fields))

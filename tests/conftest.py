@@ -204,11 +204,14 @@ class CorralFactory:
 
     def __call__(self, config: dict[str, Any], api_key: str = "unused",
                  wait: bool = True) -> Corral:
-        n = len(self.started)
-        config_path = self.folder / f"corral-{n}.yaml"
+        config_path = self.folder / f"corral-{len(self.started)}.yaml"
         config_path.write_text(yaml.safe_dump(config))
+        return self.serve(config_path, api_key, wait)
+
+    def serve(self, config_path: Path, api_key: str = "unused", wait: bool = True) -> Corral:
+        """`corral serve -c config_path` (a file as it is: its relative paths stay its own)."""
         port = free_port()
-        log_path = self.folder / f"corral-{n}.log"
+        log_path = self.folder / f"corral-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),

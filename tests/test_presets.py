@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 import yaml
 
-from conftest import Corral, CorralFactory, free_port, wait_until
+from conftest import Corral, CorralFactory, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = REPO / "presets"
@@ -95,26 +94,7 @@ def serve_preset(factory: CorralFactory, path: Path) -> Corral:
     """`corral serve -c <preset>` from the preset's own file (its relative model paths and
     plugin path resolve against presets/), on a free port, with its log and pid file in the
     factory's folder; the factory's close() stops it and fails on any orphaned child."""
-    port = free_port()
-    n = len(factory.started)
-    log_path = factory.folder / f"preset-{n}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [*CLI, "serve", "-c", str(path), "--listen", f"127.0.0.1:{port}",
-             "--state-dir", str(factory.folder / "state"), "--log-format", "json",
-             "--log-level", "debug"],
-            stdout=subprocess.DEVNULL, stderr=log_file, cwd=factory.folder)
-    corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, path)
-    factory.started.append(corral)
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"corral exited:\n{log_path.read_text()}"
-        try:
-            return httpx.get(corral.url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_until(healthy, timeout=15)
-    return corral
+    return factory.serve(path)
 
 
 def ask(corral: Corral, model: str) -> str:

@@ -404,18 +404,24 @@ def test_admin_reload_answers_with_what_changed(corral):
     assert again["changes"]["unchanged"] == len(corral.models())
 
 
-def test_ctx_change_switches_to_a_new_child_while_the_old_one_finishes(corral):
-    """Blue/green: with room for both, the new child starts beside the old one, which keeps
-    serving; once ready it takes the name, and the old one drains its stream."""
-    corral, setup = corral
+def _streaming_with_one_queued(corral: Corral) -> tuple[Any, ...]:
+    """tiny-a and tiny-b loaded, a long stream on tiny-a's only slot and one more request
+    queued behind it: (pids, spawned, stream, result, queued, queued_result)."""
     pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-b"])
     stream, result = in_background(lambda: corral.http.post(
         "/v1/chat/completions", json={"model": "tiny-a", "messages": [
             {"role": "user", "content": "go"}], **LONG_STREAM}, timeout=120))
     wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
-    # One more waits for tiny-a's only slot already, before the reload.
     queued, queued_result = in_background(lambda: corral.chat("tiny-a", max_tokens=2))
     wait_until(lambda: corral.model("tiny-a")["queue"] == 1)
+    return pids, spawned, stream, result, queued, queued_result
+
+
+def test_ctx_change_switches_to_a_new_child_while_the_old_one_finishes(corral):
+    """Blue/green: with room for both, the new child starts beside the old one, which keeps
+    serving; once ready it takes the name, and the old one drains its stream."""
+    corral, setup = corral
+    pids, spawned, stream, result, queued, queued_result = _streaming_with_one_queued(corral)
     config = setup.main()
     config["models"]["tiny-a"]["ctx"] = 4096
     attempt = wait_reload(corral, write(corral.config_path, config))
@@ -458,14 +464,7 @@ def test_a_new_child_that_fails_to_start_leaves_the_old_one_serving(corral):
 
 def test_ctx_change_without_room_for_both_restarts_in_place(corral):
     corral, setup = corral
-    pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-b"])
-    stream, result = in_background(lambda: corral.http.post(
-        "/v1/chat/completions", json={"model": "tiny-a", "messages": [
-            {"role": "user", "content": "go"}], **LONG_STREAM}, timeout=120))
-    wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
-    # One more waits for tiny-a's only slot already, before the reload.
-    queued, queued_result = in_background(lambda: corral.chat("tiny-a", max_tokens=2))
-    wait_until(lambda: corral.model("tiny-a")["queue"] == 1)
+    pids, spawned, stream, result, queued, queued_result = _streaming_with_one_queued(corral)
     config = setup.main()
     config["models"]["tiny-a"]["ctx"] = 4096
     config["policy"]["max_loaded"] = 2  # full: no room for a second tiny-a child
@@ -505,8 +504,8 @@ def test_parallel_change_restarts_with_new_slots(corral):
     attempt = wait_reload(corral, write(corral.config_path, config))
     assert attempt["changes"]["restarted"] == {"tiny-b": ["parallel"]}
     # Switched over to the new child (blue/green): its pid under the model's name.
-    wait_until(lambda: corral.model("tiny-b")["state"] == "ready"
-               and corral.model("tiny-b")["pid"] != pids["tiny-b"], timeout=30)
+    wait_until(lambda: (lambda m: m["state"] == "ready" and m["pid"] not in (
+        pids["tiny-b"], None))(corral.model("tiny-b")), timeout=30)
     body = {"model": "tiny-b", "messages": [{"role": "user", "content": "go"}], **LONG_STREAM}
     runs = [in_background(lambda: corral.http.post("/v1/chat/completions", json=body,
                                                    timeout=120)) for _ in range(2)]

@@ -82,8 +82,10 @@ def test_fixed_appliance_serves_its_set_refuses_the_rest_and_restarts_a_crash(st
     assert corral.model("tiny-a")["pid"] == pid and corral.model("tiny-a")["state"] == "ready"
     # A crash comes back by itself, with no request asking for it.
     os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: corral.model("tiny-a")["state"] == "ready"
-                      and corral.model("tiny-a")["pid"] != pid, timeout=20)
+    def replaced() -> bool:
+        now = corral.model("tiny-a")  # one reading: state and pid of the same moment
+        return now["state"] == "ready" and now["pid"] not in (pid, None)
+    assert wait_until(replaced, timeout=20)
     assert corral.log_events("daemon.restart_kept")
 
 
