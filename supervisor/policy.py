@@ -18,6 +18,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -56,8 +57,13 @@ class Snapshot:
     pinned: frozenset[str] = frozenset()  # members of groups marked `pinned: true`
     options: Mapping[str, Any] = field(default_factory=dict)
 
+    @cached_property
+    def _by_name(self) -> dict[str, ModelView]:
+        return {v.name: v for v in self.models}
+
     def view(self, name: str) -> ModelView | None:
-        return next((v for v in self.models if v.name == name), None)
+        # By name, built once per snapshot: placement looks up every loaded model's pool.
+        return self._by_name.get(name)
 
     def model_of(self, name: str) -> str:
         """The configured model behind a view's name (itself, unless it is a replica)."""
@@ -165,9 +171,9 @@ class BaseStrategy:
 
     # -- derived decisions -------------------------------------------------------------------------
 
-    def pool_of(self, snap: Snapshot, model: str) -> Pool:
+    def pool_of(self, snap: Snapshot, model: str, pools: list[Pool] | None = None) -> Pool:
         model = snap.model_of(model)
-        pools = self.pools(snap)
+        pools = self.pools(snap) if pools is None else pools
         for pool in pools:
             if pool.members is not None and model in pool.members:
                 return pool
@@ -177,9 +183,10 @@ class BaseStrategy:
     def place(self, snap: Snapshot, incoming: str) -> Placement:
         """LRU by last use among loaded, idle models of the incoming model's pool that are not
         kept loaded; never a model with work in flight."""
-        pool = self.pool_of(snap, incoming)
+        pools = self.pools(snap)  # once: a strategy may build them from the snapshot
+        pool = self.pool_of(snap, incoming, pools)
         loaded = [v for v in snap.models if v.loaded and v.name != incoming]
-        in_pool = [v for v in loaded if self.pool_of(snap, v.name) == pool]
+        in_pool = [v for v in loaded if self.pool_of(snap, v.name, pools) == pool]
         if len(in_pool) < pool.capacity and len(loaded) < snap.max_loaded:
             return Placement(fits=True)
         kept = self.kept_views(snap)
@@ -203,7 +210,7 @@ class BaseStrategy:
         pools = self.pools(snap)
         if len(pools) > 1:  # the most specific reason first
             for pool in pools:
-                members = {m for m in together if self.pool_of(snap, m) == pool}
+                members = {m for m in together if self.pool_of(snap, m, pools) == pool}
                 if len(members) > pool.capacity:
                     return (f"needs {len(members)} models loaded at once in pool {pool.name} "
                             f"({', '.join(sorted(members))}) but it holds {pool.capacity}")
