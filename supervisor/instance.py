@@ -9,7 +9,7 @@ import dataclasses
 import os
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -26,7 +26,9 @@ from corral.supervisor.process import (
     ChildStartTimeout,
     free_port,
     probe_health,
+    probe_lists_model,
 )
+from corral.supervisor.reaper import GroupKeeper
 
 
 class State(StrEnum):
@@ -116,8 +118,9 @@ class Health:
 
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
-                 replica: int = 1):
+                 replica: int = 1, keeper: GroupKeeper | None = None):
         self.spec = spec
+        self._keeper = keeper
         # A model with `replicas` runs several instances: replica 1 is named like the model,
         # the others "<model>#<n>". Each is a state machine of its own: replicas start, fail
         # and scale one by one.
@@ -222,15 +225,19 @@ class Instance:
 
     def begin_start(self, session: aiohttp.ClientSession,
                     on_spawn: Callable[[Instance], None],
-                    kv_cache: tuple[str | None, str | None] | None = None) -> None:
+                    kv_cache: tuple[str | None, str | None] | None = None,
+                    tune: Callable[[ModelSpec], ModelSpec] | None = None) -> None:
         """STOPPED|FAILED → STARTING and launch the one start task every waiter shares.
-        `kv_cache`: KV cache types the strategy chose for this start (None: as configured)."""
+        `kv_cache`: KV cache types the strategy chose for this start (None: as configured);
+        `tune`: the backend's settings for this start from those (a vLLM GPU share)."""
         if kv_cache is not None:
             self.started_with = dataclasses.replace(
                 self.spec, cache_type_k=kv_cache[0] or self.spec.cache_type_k,
                 cache_type_v=kv_cache[1] or self.spec.cache_type_v)
         else:
             self.started_with = self.spec
+        if tune is not None:
+            self.started_with = tune(self.started_with)
         if self.state is State.FAILED:
             self.restarts += 1
         self._transition(State.STARTING)
@@ -290,7 +297,7 @@ class Instance:
             self._fail_start(str(exc))
             raise StartFailed(str(exc)) from exc
         env = {**self.backend.env(self.started_with), **self.backend.auth_env(api_key)}
-        process = ChildProcess(self.name, argv, env)
+        process = ChildProcess(self.name, argv, env, keeper=self._keeper)
         self.process = process
         self._headers = {"Authorization": f"Bearer {api_key}"}
         # Shielded: a stop arriving mid-spawn must find a child it can stop, not an exec
@@ -309,8 +316,7 @@ class Instance:
             raise
         try:
             on_spawn(self)
-            url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
-            await process.wait_healthy(session, url, self.spec.start_timeout)
+            await process.wait_healthy(self._readiness(session), self.spec.start_timeout)
         except ChildExited as exc:
             await process.stop(0)
             if not last_try and self.backend.lost_port_race(exc.tail):
@@ -336,6 +342,21 @@ class Instance:
             self._fail_start(message)
             raise StartFailed(message) from exc
         return process
+
+    def _readiness(self, session: aiohttp.ClientSession) -> Callable[[float], Awaitable[bool]]:
+        """The start's readiness probe: /health answers 200 and, for a backend that answers
+        it early (vLLM), /v1/models lists the model's name."""
+        base = f"http://127.0.0.1:{self.port}"
+        health, headers, lists_models = base + self.backend.health_path, self._headers, \
+            self.backend.lists_models
+
+        async def ready(timeout: float) -> bool:
+            if await probe_health(session, health, timeout) is not None:
+                return False
+            return not lists_models or await probe_lists_model(
+                session, base + "/v1/models", self.spec.name, headers, timeout)
+
+        return ready
 
     def _fail_start(self, message: str) -> None:
         if self.state is State.STARTING:  # a stop may have taken over meanwhile
@@ -548,7 +569,7 @@ class Instance:
             "replica_of": self.model if self.spec.replicas_max > 1 else None,
             "replica": self.replica,
             "backend": self.spec.backend,
-            "model_path": str(self.spec.model_path),
+            "model_path": self.spec.model_id or str(self.spec.model_path),
             "aliases": list(self.spec.aliases),
             "state": str(self.state),
             "pid": self.pid if self.state in LOADED_STATES else None,
@@ -561,6 +582,8 @@ class Instance:
             "parallel": self.spec.parallel,
             "cache_type_k": self.started_with.cache_type_k,
             "cache_type_v": self.started_with.cache_type_v,
+            # vLLM's share of each GPU it uses (None: not on a GPU, or vLLM's default)
+            "gpu_memory_utilization": self.started_with.gpu_memory_utilization,
             "ttl": self.spec.ttl,
             "ttl_left": ttl_left,
             "pinned": self.pinned,

@@ -10,11 +10,13 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 import psutil
 import structlog
+
+from corral.supervisor.reaper import GroupKeeper
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -53,9 +55,21 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float)
         return f"{type(exc).__name__}: {exc}"
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> bool:
-    # During start: not listening yet, or still loading, is simply "not yet".
-    return await probe_health(session, url, timeout) is None
+async def probe_lists_model(session: aiohttp.ClientSession, url: str, name: str,
+                            headers: Mapping[str, str], timeout: float) -> bool:
+    """Whether the OpenAI model list at `url` names `name` (vLLM answers /health before its
+    API serves the model)."""
+    try:
+        async with session.get(url, headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return False
+            body = await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return False
+    models = body.get("data") if isinstance(body, dict) else None
+    return isinstance(models, list) and any(
+        isinstance(m, dict) and m.get("id") == name for m in models)
 
 
 # What a child may see of the daemon's environment: enough to find its libraries, GPUs and
@@ -88,8 +102,9 @@ class ChildProcess:
     """A spawned native server. Knows nothing about models beyond a name for its logs."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str],
-                 log_lines: int = 400):
+                 log_lines: int = 400, keeper: GroupKeeper | None = None):
         self.name = name
+        self._keeper = keeper
         self.argv = list(argv)
         self.env = dict(env)
         self.logs: deque[str] = deque(maxlen=log_lines)
@@ -131,6 +146,8 @@ class ChildProcess:
             preexec_fn=_child_setup,
         )
         self.started_at = time.time()
+        if self._keeper is not None:
+            self._keeper.watch(self._proc.pid)  # its group is the child's pid
         self._log = self._log.bind(pid=self._proc.pid)
         self._log.info("child.spawned", argv=self.argv)
         self._reader = asyncio.create_task(self._read_output(), name=f"logs:{self.name}")
@@ -169,10 +186,11 @@ class ChildProcess:
                 await asyncio.wait_for(asyncio.shield(self._reader), 2)
         return code
 
-    async def wait_healthy(self, session: aiohttp.ClientSession, url: str, timeout: float) -> None:
-        """Poll `url` until it answers 200; fast at first because small models load in ms.
-        Each probe races the child's exit, so a child that dies is noticed at once, even
-        while a probe hangs on a port someone else holds."""
+    async def wait_healthy(self, ready: Callable[[float], Awaitable[bool]],
+                           timeout: float) -> None:
+        """Poll `ready` (given the seconds it may take) until it says yes; fast at first
+        because small models load in ms. Each probe races the child's exit, so a child that
+        dies is noticed at once, even while a probe hangs on a port someone else holds."""
         assert self._proc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -184,7 +202,7 @@ class ChildProcess:
                 if remaining <= 0:
                     raise ChildStartTimeout(
                         f"{self.name} not ready after {timeout:g}s", self.tail())
-                probe = asyncio.ensure_future(_probe(session, url, min(2.0, remaining)))
+                probe = asyncio.ensure_future(ready(min(2.0, remaining)))
                 await asyncio.wait({probe, exit_task}, return_when=asyncio.FIRST_COMPLETED)
                 if exit_task.done():
                     probe.cancel()
@@ -219,14 +237,17 @@ class ChildProcess:
         except TimeoutError:
             self._log.warning("child.kill", reason="grace expired")
         # Always sweep the group: helpers the child forked must not outlive it.
-        self._signal_group(signal.SIGKILL)
+        self.sweep_group()
         code = await self.wait()
         self._log.info("child.stopped", returncode=code)
         return code
 
     def sweep_group(self) -> None:
-        """SIGKILL whatever is left of the child's process group, right after it exited."""
+        """SIGKILL whatever is left of the child's process group (right after it exited, or at
+        the end of a stop): the group is gone, the keeper need not watch it any more."""
         self._signal_group(signal.SIGKILL)
+        if self._keeper is not None and self._proc is not None:
+            self._keeper.forget(self._proc.pid)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self._proc

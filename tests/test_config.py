@@ -191,8 +191,8 @@ def test_group_name_must_not_shadow_a_model(tmp_path):
 def test_removed_llama_server_flags_are_refused_with_the_replacement(tmp_path):
     issues = _issues(GOOD.replace('args: ["--flash-attn", "auto"]', 'args: ["--mlock"]'),
                      tmp_path)
-    assert any(":11: models.smol.args: Value error, llama-server no longer has --mlock; use "
-               "--load-mode mlock" in i for i in issues)
+    assert any(":11: models.smol.args[0]: llama-server no longer has --mlock; use "
+               "--load-mode mlock" in i for i in issues), issues
 
 
 # -- per-model knobs ------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-"""What every backend adapter answers. Adapters build argv and describe readiness; they never
-touch processes (that is supervisor.process's job)."""
+"""What every backend adapter answers. Adapters build argv, describe readiness, estimate memory
+and know their KV cache types; they never touch processes (that is supervisor.process's job)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from corral.supervisor.backends.binaries import BinaryNotFound
-from corral.supervisor.config import ModelSpec
+from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.memory.estimate import Estimate
 
 __all__ = ["Backend", "BinaryNotFound"]
 
@@ -14,9 +16,11 @@ __all__ = ["Backend", "BinaryNotFound"]
 class Backend(Protocol):
     kind: str
     health_path: str
+    # Ready only once /v1/models lists the model's name too (vLLM answers /health before).
+    lists_models: bool
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
-        """The full argv (binary first) that serves `spec` on 127.0.0.1:`port`."""
+        """The full argv (executable first) that serves `spec` on 127.0.0.1:`port`."""
         ...
 
     def auth_env(self, api_key: str) -> dict[str, str]:
@@ -31,4 +35,19 @@ class Backend(Protocol):
     def lost_port_race(self, log_tail: list[str]) -> bool:
         """Whether a child that exited during start did so because its port was taken
         between corral picking it and the child binding it (worth one retry)."""
+        ...
+
+    def estimate(self, spec: ModelSpec, kv: tuple[str | None, str | None],
+                 gpus: Sequence[str]) -> Estimate:
+        """Bytes per device ("cpu", "gpu0"...) a child with these KV types will hold, from the
+        model's files; raises when they cannot be read."""
+        ...
+
+    def usable_kv_steps(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+        """The steps of the model's KV ladder its child can run."""
+        ...
+
+    def tune(self, spec: ModelSpec, need: Mapping[str, int],
+             gpu_totals: Mapping[str, int]) -> ModelSpec:
+        """The spec to start with, given what it needs per device and each GPU's size."""
         ...

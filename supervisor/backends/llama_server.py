@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
-from corral.supervisor.config import ModelSpec
+from collections.abc import Mapping, Sequence
 
-__all__ = ["BACKENDS", "INSTALL_HINT", "LlamaServer", "find_executable"]
+from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
+from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.memory.estimate import Estimate, estimate, model_facts
+
+__all__ = ["INSTALL_HINT", "LlamaServer", "find_executable"]
+
+# Values per block of ggml's quantized types (f16, bf16, f32: 1).
+_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "iq4_nl": 32,
+          "turbo2": 32, "turbo3": 32, "turbo4": 32}
 
 class LlamaServer:
     kind = "llama-server"
     # 200 once the model is loaded; 503 {"error": "Loading model"} before that.
     health_path = "/health"
+    lists_models = False
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         argv = [
@@ -48,5 +56,20 @@ class LlamaServer:
     def lost_port_race(self, log_tail: list[str]) -> bool:
         return any("couldn't bind HTTP server socket" in line for line in log_tail)
 
+    def estimate(self, spec: ModelSpec, kv: tuple[str | None, str | None],
+                 gpus: Sequence[str]) -> Estimate:
+        return estimate(model_facts(spec.model_path), ctx=spec.ctx, parallel=spec.parallel,
+                        n_gpu_layers=spec.n_gpu_layers, cache_type_k=kv[0],
+                        cache_type_v=kv[1], gpus=gpus)
 
-BACKENDS = {"llama-server": LlamaServer()}
+    def usable_kv_steps(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+        """A quantized type stores blocks of 32 values, and llama.cpp refuses it when the
+        head size is not a multiple of that."""
+        facts = model_facts(spec.model_path)
+        return tuple(step for step in spec.kv_ladder
+                     if facts.head_dim_k % _BLOCK.get(step[0], 1) == 0
+                     and facts.head_dim_v % _BLOCK.get(step[1], 1) == 0)
+
+    def tune(self, spec: ModelSpec, need: Mapping[str, int],
+             gpu_totals: Mapping[str, int]) -> ModelSpec:
+        return spec  # llama-server takes what its layers need, no share to set

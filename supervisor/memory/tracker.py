@@ -17,14 +17,11 @@ from typing import Any, Protocol
 
 import structlog
 
-from corral.supervisor.config import MemoryConfig, ModelSpec
+from corral.supervisor.backends import backend_for
+from corral.supervisor.config_memory import MemoryConfig
+from corral.supervisor.config_specs import ModelSpec
 from corral.supervisor.memory.devices import Device, GpuReader, RamReader
-from corral.supervisor.memory.estimate import (
-    Estimate,
-    estimate,
-    model_facts,
-    parse_load_log,
-)
+from corral.supervisor.memory.estimate import Estimate, parse_load_log
 from corral.supervisor.memory.view import MIB, DeviceView, Footprint, MemoryView
 
 log = structlog.get_logger("corral.memory")
@@ -32,9 +29,6 @@ log = structlog.get_logger("corral.memory")
 __all__ = ["Child", "MemoryTracker", "Sample", "start_key"]
 
 KvTypes = tuple[str | None, str | None]
-# Values per block of ggml's quantized types (f16, bf16, f32: 1).
-_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "iq4_nl": 32,
-          "turbo2": 32, "turbo3": 32, "turbo4": 32}
 
 
 class Child(Protocol):
@@ -181,54 +175,53 @@ class MemoryTracker:
             return ()
         return tuple(sorted(n for n, d in self.sample.devices.items() if d.kind == "gpu"))
 
+    def gpu_totals(self) -> dict[str, int]:
+        """Each GPU's size in bytes, as last read."""
+        if self.sample is None:
+            return {}
+        return {n: d.total for n, d in self.sample.devices.items() if d.kind == "gpu"}
+
     def estimate_for(self, spec: ModelSpec, kv: KvTypes) -> Estimate | None:
-        """The estimate from the model's file for these settings (None: the file cannot be
-        read; logged once)."""
+        """The backend's estimate from the model's files for these settings (None: they
+        cannot be read; logged once)."""
         key = start_key(spec, kv, self.gpus)
         if key not in self._estimates:
             try:
-                facts = model_facts(spec.model_path)
-                self._estimates[key] = estimate(
-                    facts, ctx=spec.ctx, parallel=spec.parallel, n_gpu_layers=spec.n_gpu_layers,
-                    cache_type_k=kv[0], cache_type_v=kv[1], gpus=self.gpus)
+                self._estimates[key] = backend_for(spec.backend).estimate(spec, kv, self.gpus)
             except Exception as exc:  # a file we cannot read is no reason to fail a request
                 self._note_estimate_error(spec, exc)
                 self._estimates[key] = None
         return self._estimates[key]
 
     def _note_estimate_error(self, spec: ModelSpec, exc: Exception) -> None:
-        if self._estimate_errors.get(str(spec.model_path)) != str(exc):
-            self._estimate_errors[str(spec.model_path)] = str(exc)
+        where = spec.model_id or str(spec.model_path)
+        if self._estimate_errors.get(where) != str(exc):
+            self._estimate_errors[where] = str(exc)
             log.warning("memory.no_estimate", model=spec.name, error=str(exc),
                         note="this model's memory is not counted until it is measured")
 
     def ladder(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
-        """The model's KV ladder less the steps it cannot run: a quantized type stores blocks
-        of 32 values, and llama.cpp refuses it when the head size is not a multiple of that
-        (a child that would fail to start)."""
-        key = (str(spec.model_path), spec.kv_ladder)
+        """The model's KV ladder less the steps its backend says it cannot run (a child that
+        would fail to start)."""
+        key = (spec.backend, str(spec.model_path), spec.kv_ladder)
         if key not in self._ladders:
             try:
-                facts = model_facts(spec.model_path)
+                usable = backend_for(spec.backend).usable_kv_steps(spec)
             except Exception as exc:
                 self._note_estimate_error(spec, exc)
                 self._ladders[key] = spec.kv_ladder
                 return spec.kv_ladder
-            usable = tuple(step for step in spec.kv_ladder
-                           if facts.head_dim_k % _BLOCK.get(step[0], 1) == 0
-                           and facts.head_dim_v % _BLOCK.get(step[1], 1) == 0)
             if len(usable) < len(spec.kv_ladder):
                 log.warning("memory.kv_steps_skipped", model=spec.name,
                             skipped=["/".join(s) for s in spec.kv_ladder if s not in usable],
-                            head_dim_k=facts.head_dim_k, head_dim_v=facts.head_dim_v,
                             note="quantized KV types need head sizes divisible by 32")
             self._ladders[key] = usable or spec.kv_ladder[:1]
         return self._ladders[key]
 
     def warm(self, spec: ModelSpec) -> None:
-        """Read the model file's header now (from a thread), so decisions find it cached."""
+        """Read the model's headers now (from a thread), so decisions find them cached."""
         with contextlib.suppress(Exception):
-            model_facts(spec.model_path)
+            self.estimate_for(spec, (spec.cache_type_k, spec.cache_type_v))
 
     def need(self, spec: ModelSpec, kv: KvTypes) -> Footprint:
         """What a start with these settings takes: what the same settings took before, else

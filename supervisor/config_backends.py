@@ -1,0 +1,138 @@
+"""Checks of a model's keys against its backend: which keys each backend reads, the flags it
+must not be given in `args`, and the KV cache types its binary accepts (asked of its --help)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from corral.supervisor.backends.binaries import BinaryNotFound, find_executable, kv_type_problem
+from corral.supervisor.backends.vllm import vllm_command, vllm_kv_type_problem
+from corral.supervisor.config_memory import ladder_step
+from corral.supervisor.config_schema import Config, ModelConfig
+from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config_yaml import ConfigIssue, Loc, dotted
+
+__all__ = ["check_backends"]
+
+# Keys only one backend reads, and what the other backend has instead.
+_VLLM_ONLY = {
+    "command": "llama-server models name their executable with `binary`",
+    "gpu_memory_utilization": "llama-server models place layers with `n_gpu_layers`",
+    "kv_cache_dtype": "llama-server models use `cache_type_k` / `cache_type_v`",
+    "tensor_parallel_size": "llama-server splits layers over the GPUs by itself",
+    "pipeline_parallel_size": "llama-server splits layers over the GPUs by itself",
+    "distributed_executor_backend": "llama-server has no distributed executor",
+}
+_LLAMA_ONLY = {
+    "binary": "vLLM models say how to start vLLM with `command`",
+    "n_gpu_layers": "vLLM puts the whole model on its GPUs (see `gpu_memory_utilization`)",
+    "threads": "vLLM's CPU threads are set with VLLM_CPU_OMP_THREADS_BIND in `env`",
+    "cache_type_k": "vLLM models use `kv_cache_dtype`",
+    "cache_type_v": "vLLM models use `kv_cache_dtype`",
+    "mmproj": "vLLM reads a multimodal checkpoint's projector from its folder",
+    "embeddings": "pass vLLM's own pooling flags in `args`",
+}
+# Flags today's llama-server no longer has, and what replaced them.
+_REMOVED_LLAMA_FLAGS = {
+    "--mlock": "--load-mode mlock (or mmap+mlock)",
+    "--no-mmap": "--load-mode none",
+}
+# vLLM flags corral sets itself (host, port and API key are refused for every backend).
+_OWNED_VLLM_FLAGS = {
+    "--model": "`model` names the checkpoint",
+    "--served-model-name": "corral serves the model under its name (add `aliases` for more)",
+    "--max-model-len": "`ctx` sets it",
+    "--max-num-seqs": "`parallel` sets it",
+    "--gpu-memory-utilization": "use the `gpu_memory_utilization` key",
+    "--kv-cache-dtype": "use the `kv_cache_dtype` key (or a `kv_cache` ladder)",
+    "--tensor-parallel-size": "use the `tensor_parallel_size` key",
+    "--pipeline-parallel-size": "use the `pipeline_parallel_size` key",
+}
+
+
+def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[ConfigIssue],
+                   line: Callable[[Loc], int | None], filename: str) -> None:
+    def problem(loc: Loc, message: str) -> None:
+        issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
+
+    llama_binaries: dict[str | None, str | None] = {}
+
+    def llama_binary(configured: str | None) -> str | None:
+        if configured not in llama_binaries:
+            try:
+                llama_binaries[configured] = find_executable(configured, ("llama-server",))
+            except BinaryNotFound:
+                llama_binaries[configured] = None  # a missing binary is reported when it starts
+        return llama_binaries[configured]
+
+    if config.defaults.kv_cache:  # the defaults' ladder is for llama-server models
+        for i, step in enumerate(config.defaults.kv_cache.ladder):
+            for kv_type in dict.fromkeys(ladder_step(step)):
+                found = kv_type_problem(kv_type, llama_binary(config.binary))
+                if found:
+                    problem(("defaults", "kv_cache", "ladder", i), found)
+    for name, m in config.models.items():
+        at: Loc = ("models", name)
+        if m.backend == "vllm":
+            _check_vllm(m, models[name], at, problem)
+        else:
+            _check_llama(m, llama_binary(models[name].binary), at, problem)
+
+
+def _foreign_keys(m: ModelConfig, foreign: dict[str, str], at: Loc, own: str, other: str,
+                  problem: Callable[[Loc, str], None]) -> None:
+    for key in sorted(m.model_fields_set & set(foreign)):
+        problem((*at, key), f"{key} is a {other} setting but this model's backend is {own}; "
+                            f"{foreign[key]}")
+
+
+def _check_llama(m: ModelConfig, binary: str | None, at: Loc,
+                 problem: Callable[[Loc, str], None]) -> None:
+    _foreign_keys(m, _VLLM_ONLY, at, "llama-server", "vllm", problem)
+    for i, arg in enumerate(m.args):
+        flag = arg.split("=", 1)[0]
+        if flag in _REMOVED_LLAMA_FLAGS:
+            problem((*at, "args", i), f"llama-server no longer has {flag}; use "
+                                      f"{_REMOVED_LLAMA_FLAGS[flag]}")
+    for key in ("cache_type_k", "cache_type_v"):
+        value = getattr(m, key)
+        found = kv_type_problem(value, binary) if value is not None else None
+        if found:
+            problem((*at, key), found)
+    if m.kv_cache:
+        for i, step in enumerate(m.kv_cache.ladder):
+            for kv_type in dict.fromkeys(ladder_step(step)):
+                found = kv_type_problem(kv_type, binary)
+                if found:
+                    problem((*at, "kv_cache", "ladder", i), found)
+
+
+def _check_vllm(m: ModelConfig, spec: ModelSpec, at: Loc,
+                problem: Callable[[Loc, str], None]) -> None:
+    _foreign_keys(m, _LLAMA_ONLY, at, "vllm", "llama-server", problem)
+    for i, arg in enumerate(m.args):
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED_VLLM_FLAGS:
+            problem((*at, "args", i), f"{flag} is not allowed in args: "
+                                      f"{_OWNED_VLLM_FLAGS[flag]}")
+    wanted: list[tuple[str, Loc]] = []
+    if m.kv_cache_dtype is not None:
+        wanted.append((m.kv_cache_dtype, (*at, "kv_cache_dtype")))
+    if m.kv_cache:
+        for i, step in enumerate(m.kv_cache.ladder):
+            k, v = ladder_step(step)
+            if k != v:
+                problem((*at, "kv_cache", "ladder", i),
+                        f"ladder step {step!r}: vLLM has one KV cache dtype for K and V")
+            else:
+                wanted.append((k, (*at, "kv_cache", "ladder", i)))
+    if not wanted:
+        return
+    try:
+        command = vllm_command(spec)
+    except BinaryNotFound:
+        command = None  # reported when it starts, as for a missing llama-server
+    for kv_type, loc in wanted:
+        found = vllm_kv_type_problem(kv_type, command)
+        if found:
+            problem(loc, found)

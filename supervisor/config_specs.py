@@ -1,0 +1,80 @@
+"""What the config resolves into: a model's and a group's settings with every default filled in
+and every path absolute. Plain frozen data: backends, policy and the daemon read these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.supervisor.config_schema import BackendKind, Defaults, Fallback, GroupType, Selector
+
+__all__ = ["GroupSpec", "ModelSpec"]
+
+_DEFAULTS = Defaults()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model with every default filled in and every path absolute: what a backend needs."""
+
+    name: str
+    backend: BackendKind
+    model_path: Path
+    aliases: tuple[str, ...]
+    ttl: float
+    ctx: int
+    parallel: int
+    n_gpu_layers: int
+    threads: int
+    cache_type_k: str | None
+    cache_type_v: str | None
+    args: tuple[str, ...]
+    env: dict[str, str]
+    binary: str | None
+    start_timeout: float
+    max_queue: int
+    queue_timeout: float
+    stop_grace: float
+    # Defaulted so a spec can be built by hand (tests) without restating every knob.
+    first_byte_timeout: float = _DEFAULTS.first_byte_timeout
+    idle_timeout: float = _DEFAULTS.idle_timeout
+    health_interval: float = _DEFAULTS.health_interval
+    health_timeout: float = _DEFAULTS.health_timeout
+    health_failures: int = _DEFAULTS.health_failures
+    start_backoff: float = _DEFAULTS.start_backoff
+    start_backoff_max: float = _DEFAULTS.start_backoff_max
+    embeddings: bool = False
+    mmproj: Path | None = None
+    replicas_min: int = 1
+    replicas_max: int = 1
+    scale_after: float = 2.0
+    kv_mode: str = "fixed"  # fixed | auto
+    kv_ladder: tuple[tuple[str, str], ...] = ()  # (type_k, type_v) per step, best first
+    kv_adaptive: bool = False
+    kv_hold: float = 60.0
+    # vLLM children (backend: vllm): cache_type_k carries vLLM's one --kv-cache-dtype.
+    model_id: str | None = None  # a Hugging Face id vLLM fetches itself (model_path unused)
+    command: tuple[str, ...] = ()
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A validated group: every name in it is a canonical model name."""
+
+    name: str
+    type: GroupType
+    models: tuple[str, ...]
+    required_responses: int
+    member_timeout: float
+    fallback: Fallback
+    replace_with: dict[str, str]
+    pinned: bool
+    selector: Selector
+    judge: str | None
+    synthesizer: str | None
+    template: str | None
+    expose_as_model: bool

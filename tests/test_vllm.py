@@ -1,0 +1,257 @@
+"""vLLM children, for real: vLLM's CPU build from its own venv (build/vllm-venv, made by
+`make vllm`), serving a tiny random Llama checkpoint (tests/tinyhf.py) beside a llama-server
+child, through one corral daemon the whole module shares (a vLLM cold start takes 75-100 s on
+two cores, so the module starts one twice: at first, and after the kill).
+
+In order: cold start; non-stream and stream through the OpenAI SDK; a mixed parallel group (one
+llama-server member, one vLLM member) in one request; the memory estimate against the child's
+measured RAM; `corral check` on vLLM-only keys and dtypes against the installed vLLM's --help;
+kill -9 mid-stream (a clean error, the whole group gone, the next request restarts it); and a
+TTL stop (the process group gone, the port free)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+import yaml
+from tinyhf import write_tiny_hf_llama
+
+from conftest import Corral, CorralFactory, port_is_free, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path(os.environ.get("CORRAL_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
+VLLM_COMMAND = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+COLD_START = 400  # seconds; 75-100 s measured on two cores, slower beside the rest of a suite
+HI = [{"role": "user", "content": "hi"}]
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} missing: run `make vllm` (make test does it)"
+    return write_tiny_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-hf")
+
+
+def vllm_config(checkpoint: Path, tiny_models: dict[str, Path], **tinyv: Any) -> dict[str, Any]:
+    return {
+        "defaults": {"ttl": 600, "stop_grace": 15},
+        "models": {
+            "tinyv": {"backend": "vllm", "model": str(checkpoint), "command": VLLM_COMMAND,
+                      "ctx": 512, "parallel": 2, **tinyv},
+            "tiny-a": {"model": str(tiny_models["tiny-a"]), "ctx": 2048},
+        },
+        "groups": {"mixed": {"models": ["tiny-a", "tinyv"], "type": "parallel"}},
+    }
+
+
+@pytest.fixture(scope="module")
+def served(start_corral_module: CorralFactory, checkpoint: Path,
+           tiny_models: dict[str, Path]) -> Corral:
+    return start_corral_module(vllm_config(checkpoint, tiny_models))
+
+
+def group_of(pid: int) -> list[int]:
+    """Every live process in the process group `pid` leads (vLLM's API server, engine core
+    and worker share the group corral gave the first)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    return psutil.Process(pid).cmdline()
+
+
+def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Path) -> None:
+    client = served.client(timeout=COLD_START)
+    reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=8,
+                                           temperature=0)
+    assert reply.model == "tinyv"
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    state = served.model("tinyv")
+    assert (state["state"], state["backend"]) == ("ready", "vllm")
+    pid = state["pid"]
+    argv = cmdline(pid)
+    assert argv[:3] == VLLM_COMMAND
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert flags["--model"] == str(checkpoint)
+    assert flags["--served-model-name"] == "tinyv"
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == str(state["port"])
+    assert (flags["--max-model-len"], flags["--max-num-seqs"]) == ("512", "2")
+    env = psutil.Process(pid).environ()
+    # On CPU the KV cache is what corral sizes from the checkpoint: 512 tokens × 2 sequences
+    # of 1 KiB each round up to the 1 GiB minimum.
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_API_KEY"] and env["VLLM_API_KEY"] not in " ".join(argv)
+    # vLLM's engine core and worker run in the child's own process group.
+    assert len(group_of(pid)) >= 3, [cmdline(p) for p in group_of(pid)]
+    # The key corral gave it is required: nobody else uses its port.
+    import httpx
+    assert httpx.get(f"http://127.0.0.1:{state['port']}/v1/models").status_code == 401
+
+
+def test_stream_through_the_sdk(served: Corral) -> None:
+    client = served.client(timeout=COLD_START)
+    chunks = list(client.chat.completions.create(
+        model="tinyv", messages=HI, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == 12
+    # The same prompt, not streamed, answers the same (temperature 0).
+    whole = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == text
+
+
+def test_mixed_group_runs_a_llama_server_and_a_vllm_member(served: Corral) -> None:
+    resp = served.http.post("/v1/batch/execute", json={
+        "group": "mixed", "messages": HI, "temperature": 0, "max_tokens": 6}, timeout=COLD_START)
+    assert resp.status_code == 200, resp.text
+    result = resp.json()
+    assert result["complete"] is True
+    members = {m["model"]: m for m in result["responses"]}
+    assert set(members) == {"tiny-a", "tinyv"}
+    for name, member in members.items():
+        assert member["status"] == "ok" and member["content"], (name, member)
+        assert member["usage"]["completion_tokens"] == 6
+    assert {served.model(n)["backend"] for n in members} == {"llama-server", "vllm"}
+
+
+def test_memory_estimate_matches_the_measured_child(served: Corral) -> None:
+    assert served.chat("tinyv", max_tokens=2).status_code == 200
+
+    def measured() -> dict[str, Any] | None:
+        by = {m["name"]: m for m in served.http.get("/admin/memory").json()["models"]}
+        entry = by["tinyv"]
+        return entry if entry.get("measured_mib") else None
+
+    entry = wait_until(measured, timeout=20)
+    estimate = entry["estimate_mib"]["cpu"]
+    real = entry["measured_mib"]["cpu"]
+    # The three processes (API server, engine core, worker) with their 1 GiB KV cache.
+    assert real > 1024 + 500, entry
+    assert abs(estimate - real) / real < 0.20, (estimate, real)
+
+
+def check(config: dict[str, Any], folder: Path) -> subprocess.CompletedProcess[str]:
+    path = folder / "check.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check",
+                           str(path)], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_check_refuses_keys_of_the_other_backend_and_unknown_dtypes(
+        checkpoint: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    config = vllm_config(checkpoint, tiny_models, kv_cache_dtype="fp8_e5m2",
+                         kv_cache={"mode": "auto", "ladder": ["auto", "fp9"]},
+                         cache_type_k="q8_0", n_gpu_layers=10,
+                         args=["--served-model-name", "other"])
+    config["models"]["tiny-a"] |= {"gpu_memory_utilization": 0.5, "command": ["vllm", "serve"]}
+    result = check(config, tmp_path)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "models.tinyv.cache_type_k: cache_type_k is a llama-server setting but this " \
+           "model's backend is vllm; vLLM models use `kv_cache_dtype`" in out, out
+    assert "models.tinyv.n_gpu_layers: n_gpu_layers is a llama-server setting" in out
+    assert "models.tiny-a.gpu_memory_utilization: gpu_memory_utilization is a vllm setting " \
+           "but this model's backend is llama-server" in out
+    assert "models.tiny-a.command: command is a vllm setting" in out
+    assert "models.tinyv.args[0]: --served-model-name is not allowed in args" in out
+    # Checked against what this vLLM lists: fp8_e5m2 is one of its dtypes, fp9 is not.
+    assert "models.tinyv.kv_cache.ladder[1]: unknown KV cache dtype 'fp9' for vLLM: this " \
+           "vLLM accepts auto, bfloat16" in out, out
+    assert "fp8_e5m2" not in out.split("this vLLM accepts")[0]
+    # A correct file passes.
+    good = check(vllm_config(checkpoint, tiny_models, kv_cache_dtype="auto"), tmp_path)
+    assert good.returncode == 0, good.stdout + good.stderr
+
+
+def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
+        served: Corral) -> None:
+    client = served.client(timeout=COLD_START)
+    assert client.chat.completions.create(model="tinyv", messages=HI, max_tokens=1)
+    pid = served.model("tinyv")["pid"]
+    members = group_of(pid)
+    stream = client.chat.completions.create(
+        model="tinyv", messages=HI, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    got: list[str] = []
+    failure: list[BaseException] = []
+    first = threading.Event()
+
+    def read() -> None:
+        try:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got.append(chunk.choices[0].delta.content)
+                    first.set()
+        except Exception as exc:  # what the SDK raises is the point of the test
+            failure.append(exc)
+        finally:
+            first.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert first.wait(60) and got, "the stream sent no tokens"
+    os.kill(pid, signal.SIGKILL)
+    reader.join(60)
+    assert not reader.is_alive(), "the stream hung after the child was killed"
+    assert failure, f"the stream ended without an error after {len(got)} tokens"
+    assert isinstance(failure[0], openai.APIError), repr(failure[0])
+    assert "tinyv" in str(failure[0]), str(failure[0])
+    # vLLM's engine core and worker go with it: nothing of the old group is left.
+    wait_until(lambda: not any(p in members for p in group_of(pid)), timeout=30)
+    # The next request starts a new child and is answered by it.
+    reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=3)
+    assert reply.choices[0].message.content is not None
+    new_pid = served.model("tinyv")["pid"]
+    assert new_pid != pid and served.spawned_pids("tinyv")[-2:] == [pid, new_pid]
+
+
+def test_ttl_stops_the_whole_process_group_and_frees_the_port(served: Corral) -> None:
+    assert served.chat("tinyv", max_tokens=1).status_code == 200
+    state = served.model("tinyv")
+    pid, port = state["pid"], state["port"]
+    assert len(group_of(pid)) >= 3
+    config = yaml.safe_load(served.config_path.read_text())
+    config["models"]["tinyv"]["ttl"] = 2
+    served.config_path.write_text(yaml.safe_dump(config))
+    assert served.http.post("/admin/reload").status_code == 200
+    wait_until(lambda: served.model("tinyv")["state"] == "stopped", timeout=60)
+    assert served.model("tinyv")["pid"] is None
+    wait_until(lambda: not group_of(pid), timeout=20)
+    assert port_is_free(port)
+    stopped = [e for e in served.log_events("daemon.ttl_expired") if e.get("model") == "tinyv"]
+    assert stopped, "no ttl event for tinyv"
+
+
+def test_a_killed_daemon_takes_vllms_helper_processes_with_it(served: Corral) -> None:
+    """The kernel's parent-death signal reaches only the API server; its engine core and
+    worker are killed by corral's group keeper the moment the daemon dies."""
+    assert served.chat("tinyv", max_tokens=1).status_code == 200
+    pid = served.model("tinyv")["pid"]
+    members = group_of(pid)
+    assert len(members) >= 3
+    served.proc.send_signal(signal.SIGKILL)
+    served.proc.wait(10)
+    wait_until(lambda: not group_of(pid), timeout=10)
