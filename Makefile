@@ -40,7 +40,7 @@ test: demo-model vllm
 
 # Each bench prints ratios measured in one run (corral beside the bare child, and nginx where it
 # applies); a few minutes in all on 2 cores. nginx is the reference proxy: installed if missing.
-bench: demo-model nginx
+bench: demo-model vllm nginx
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/relay_chunks.py
 	$(BIN)/python bench/big_prompt.py
@@ -49,6 +49,7 @@ bench: demo-model nginx
 	$(BIN)/python bench/group_parallel.py
 	$(BIN)/python bench/reload_latency.py
 	$(BIN)/python bench/memory_estimate.py
+	$(BIN)/python bench/vllm_children.py
 
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.

@@ -5,6 +5,7 @@ request as is, straight from its file, on the demo model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
 def test_the_presets_are_there() -> None:
     names = {str(p.relative_to(PRESETS)) for p in ALL}
     assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
-            "fixed-appliance.yaml", "memory.yaml", "contrib/biggest-first.yaml"} <= names
+            "fixed-appliance.yaml", "memory.yaml", "vllm.yaml",
+            "contrib/biggest-first.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
@@ -216,3 +218,27 @@ def test_memory_preset_runs_with_budgets_and_kv_modes(start_corral: CorralFactor
     assert by["reviewer"]["kv_cache"] is None
     for name in ("chat", "writer", "reviewer", "core-a", "core-b"):
         assert by[name]["estimate_mib"]["cpu"] > 0, by[name]
+
+
+def test_vllm_preset_serves_its_gguf_model_and_says_how_to_get_vllm(
+        start_corral: CorralFactory, smol_model: Path) -> None:
+    """On a machine without /opt/vllm (VLLM_PYTHON unset) the GGUF model answers, and a vLLM
+    model gets an OpenAI-shaped 502 saying how to install vLLM; the group answers with the
+    member it has (tests/test_vllm.py runs real vLLM children)."""
+    assert "VLLM_PYTHON" not in os.environ and not Path("/opt/vllm/bin/python").exists()
+    corral = serve_preset(start_corral, PRESETS / "vllm.yaml")
+    ask(corral, "helper")
+    models = corral.models()
+    assert {n: models[n]["backend"] for n in ("chat", "coder", "helper")} == {
+        "chat": "vllm", "coder": "vllm", "helper": "llama-server"}
+    assert models["chat"]["model_path"] == "Qwen/Qwen2.5-7B-Instruct"
+    resp = corral.chat("chat", max_tokens=4)
+    assert resp.status_code == 502, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "model_start_failed"
+    assert "command '/opt/vllm/bin/python' does not exist; install vLLM in a venv of its own" \
+        in error["message"], error
+    result = corral.http.post("/v1/batch/execute", timeout=180, json={
+        "group": "duo", "messages": QUESTION, "max_tokens": 8}).json()
+    outcome = {m["model"]: m["status"] for m in result["responses"]}
+    assert outcome == {"chat": "error", "helper": "ok"} and result["complete"], result

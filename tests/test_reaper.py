@@ -4,6 +4,7 @@ included; a forgotten group is left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,8 +53,6 @@ def test_daemon_gone_kills_every_watched_group_and_spares_forgotten_ones() -> No
         assert len(members(forgotten.pid)) == 2
     finally:
         for proc in (watched, forgotten):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
