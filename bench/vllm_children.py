@@ -10,7 +10,7 @@ build/vllm-venv, `make vllm`; a tiny random Llama checkpoint from tests/tinyhf.p
 - memory: corral's estimate from config.json and the safetensors headers against the child's
   measured RAM (its three processes).
 
-    python bench/vllm_children.py [--rounds 1] [--requests 30]
+    python bench/vllm_children.py [--rounds 2] [--requests 30]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def timed(client: httpx.Client, url: str, headers: dict[str, str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=1, help="cold starts of each kind")
+    parser.add_argument("--rounds", type=int, default=2, help="cold starts of each kind")
     parser.add_argument("--requests", type=int, default=30)
     args = parser.parse_args()
     if not PYTHON.is_file():
@@ -113,13 +113,20 @@ def main() -> None:
             # Not counted: the first vLLM start on a machine reads its packages from disk and
             # compiles its model graphs into ~/.cache/vllm; later starts reuse both.
             bare(client, checkpoint)
-            for _ in range(args.rounds):
-                bare_s.append(bare(client, checkpoint))
+            for round_no in range(args.rounds):
+                # Alternate which goes first: back-to-back vLLM starts on 2 cores differ by
+                # several seconds from order alone.
+                if round_no % 2 == 0:
+                    bare_s.append(bare(client, checkpoint))
+                if corral_s:
+                    client.post(daemon.url + "/admin/models/v/unload")
                 started = time.perf_counter()
                 first_token(client, daemon.url, {})
                 corral_s.append(time.perf_counter() - started)
-                if len(corral_s) < args.rounds:
-                    client.post(daemon.url + "/admin/models/v/unload")
+                if round_no % 2 == 1:
+                    client.post(daemon.url + "/admin/models/v/unload")  # one vLLM at a time
+                    bare_s.append(bare(client, checkpoint))
+                    first_token(client, daemon.url, {})  # loaded again for what follows
             state = {m["name"]: m for m in client.get(daemon.url + "/admin/models").json()
                      ["models"]}["v"]
             child = f"http://127.0.0.1:{state['port']}"

@@ -557,8 +557,12 @@ class Daemon:
     def _tune(self, spec: ModelSpec) -> ModelSpec:
         """The backend's last word on a start's settings, from what it needs per device
         (a vLLM child's share of the GPU)."""
-        need = self.memory.need(spec, (spec.cache_type_k, spec.cache_type_v))
-        return BACKENDS[spec.backend].tune(spec, need, self.memory.gpu_totals())
+        try:
+            need = self.memory.need(spec, (spec.cache_type_k, spec.cache_type_v))
+            return BACKENDS[spec.backend].tune(spec, need, self.memory.gpu_totals())
+        except Exception:  # odd figures are no reason to refuse a start: as configured
+            log.exception("daemon.tune_failed", model=spec.name)
+            return spec
 
     def _decide(self, decision: str, fallback: Any, *args: Any) -> Any:
         """Ask the strategy. A plugin that raises must not take requests down with it: the

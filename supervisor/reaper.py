@@ -33,10 +33,15 @@ class GroupKeeper:
 
     def start(self) -> None:
         # Its own session: a Ctrl-C meant for the daemon's terminal must not take it first.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.supervisor.reaper"], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "corral.supervisor.reaper"], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                close_fds=True)
+        except OSError as exc:  # corral still serves; the parent-death signal remains
+            log.error("reaper.not_started", error=str(exc),
+                      note="children's helper processes may outlive a killed daemon")
+            return
         log.info("reaper.started", pid=self._proc.pid)
 
     @property

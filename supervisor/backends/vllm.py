@@ -117,7 +117,8 @@ class Vllm:
         0.9 would leave no room for anything else."""
         if spec.gpu_memory_utilization is not None or not gpu_totals:
             return spec
-        fractions = [gpu_fraction(need[g], gpu_totals[g]) for g in gpu_totals if need.get(g)]
+        fractions = [gpu_fraction(need[g], total) for g, total in gpu_totals.items()
+                     if need.get(g) and total > 0]
         if not fractions:
             return spec
         return dataclasses.replace(spec, gpu_memory_utilization=max(fractions))

@@ -73,7 +73,8 @@ def start_key(spec: ModelSpec, kv: KvTypes, gpus: tuple[str, ...]) -> tuple[Any,
         version = (0, 0)
     return (str(spec.model_path), version, spec.backend, spec.binary, spec.ctx, spec.parallel,
             spec.n_gpu_layers, kv[0] or "f16", kv[1] or "f16", gpus, spec.args,
-            str(spec.mmproj), tuple(sorted(spec.env.items())))
+            str(spec.mmproj), tuple(sorted(spec.env.items())), spec.model_id, spec.command,
+            spec.tensor_parallel_size, spec.pipeline_parallel_size)
 
 
 class MemoryTracker:
