@@ -27,7 +27,10 @@ class FileGpu:
         children = []
         for child in psutil.Process().children():
             try:
-                if child.status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped
+                # Exited but not yet reaped, or corral's group keeper (no GPU memory): not
+                # a model's child.
+                if child.status() != psutil.STATUS_ZOMBIE \
+                        and "corral.supervisor.reaper" not in child.cmdline():
                     children.append(child.pid)
             except psutil.Error:
                 continue
