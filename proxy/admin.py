@@ -59,6 +59,17 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
                          "code": "invalid_config", "param": None}
         return web.json_response(body, status=422)
 
+    async def rebalance(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        # The daemon's task: a client that hangs up does not leave the model stopped.
+        inst = await asyncio.shield(daemon.rebalance(request.match_info["name"]))
+        return web.json_response(inst.describe())
+
+    async def gguf(request: web.Request) -> web.Response:
+        return web.json_response(await request.app[key].gguf_info(request.match_info["name"]))
+
+    app.router.add_post("/admin/models/{name}/rebalance", rebalance)
+    app.router.add_get("/admin/models/{name}/gguf", gguf)
     app.router.add_get("/admin/memory", memory)
     app.router.add_get("/admin/config", config)
     app.router.add_post("/admin/reload", reload)

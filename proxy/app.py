@@ -11,7 +11,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import admin, request_id
+from corral.proxy import admin, peer, request_id
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -67,6 +67,8 @@ def create_app(daemon: Daemon) -> web.Application:
     app.router.add_post("/v1/batch/execute", batch)
     app.router.add_post("/v1/chain/execute", chain)
     admin.add_routes(app, DAEMON)
+    if daemon.lender is not None:
+        peer.add_routes(app, DAEMON)
     app.cleanup_ctx.append(_upstream_session)
     return app
 
@@ -142,7 +144,7 @@ def _auth_middleware(daemon: Daemon) -> Any:
     # The keys of the config active now (a reload may change them), worked out once per config.
     cache: dict[str, Any] = {}
 
-    def key_sets() -> tuple[list[bytes], list[bytes]]:
+    def key_sets() -> tuple[list[bytes], list[bytes], list[bytes]]:
         cfg = daemon.loaded.config
         if cache.get("config") is not cfg:
             user = [k.encode() for k in cfg.api_keys]
@@ -152,8 +154,10 @@ def _auth_middleware(daemon: Daemon) -> Any:
             # An admin key opens /v1 too: the operator may do what users do, and run every
             # group.
             v1 = user + admin_only if user else []
-            cache.update(config=cfg, keys=(admin_only, v1))
-        keys: tuple[list[bytes], list[bytes]] = cache["keys"]
+            # Worker mode: heads send worker.token (required, so never open).
+            worker = [cfg.worker.token.encode()] if cfg.worker.token else [b"\0never"]
+            cache.update(config=cfg, keys=(admin_only, v1, worker))
+        keys: tuple[list[bytes], list[bytes], list[bytes]] = cache["keys"]
         return keys
 
     def allowed(request: web.Request, keys: list[bytes]) -> bool:
@@ -166,8 +170,9 @@ def _auth_middleware(daemon: Daemon) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        admin_only, v1 = key_sets()
-        keys = admin_only if path.startswith("/admin") else v1 if path.startswith("/v1") else []
+        admin_only, v1, worker = key_sets()
+        keys = admin_only if path.startswith("/admin") else v1 if path.startswith("/v1") \
+            else worker if path.startswith("/peer") else []
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")

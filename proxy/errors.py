@@ -23,6 +23,7 @@ from corral.supervisor.errors import (
     StartTimedOut,
     SupervisorError,
     UnknownModel,
+    WorkersUnavailable,
     shown,
 )
 
@@ -94,6 +95,7 @@ _SHAPES: dict[type[Exception], Shape] = {
     NotServed: Shape(503, "model_not_served"),
     ShuttingDown: Shape(503, "shutting_down"),
     StartBackoff: Shape(503, "model_start_backoff"),
+    WorkersUnavailable: Shape(503, "workers_unavailable"),
     StartTimedOut: Shape(504, "model_start_timeout"),
     StartFailed: Shape(502, "model_start_failed"),
     UpstreamTimeout: Shape(504, "upstream_timeout"),

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    serve.add_argument("--worker", action="store_true",
+                       help="lend this machine's devices to head corrals (rpc-servers on "
+                            "request); token: worker.token or CORRAL_WORKER_TOKEN")
     serve.add_argument("--no-watch", action="store_true",
                        help="do not reload when the config files change (SIGHUP and "
                             "POST /admin/reload still do)")
@@ -137,11 +141,30 @@ def _fetch_demo(models_dir: Path) -> int:
 def _loader(args: argparse.Namespace) -> Callable[[], LoadedConfig]:
     """How `serve` reads its config: at startup, and again at every reload."""
     def load() -> LoadedConfig:
+        if getattr(args, "worker", False):
+            return _as_worker(load_config(args.config) if args.config else None)
         if not args.config:
             return default_config(args.models_dir or Path("models"))
         loaded = load_config(args.config)
         return _with_models_dir(loaded, args.models_dir) if args.models_dir else loaded
     return load
+
+
+def _as_worker(loaded: LoadedConfig | None) -> LoadedConfig:
+    """`serve --worker`: the config's worker section turned on (its token from the config or
+    CORRAL_WORKER_TOKEN); without a config, a worker and nothing else (no models)."""
+    from corral.supervisor.config import Config, resolve
+    from corral.supervisor.config_rpc import WorkerConfig
+
+    config = loaded.config if loaded else Config()
+    worker = config.worker.model_copy(update={
+        "enabled": True,
+        "token": config.worker.token or os.environ.get("CORRAL_WORKER_TOKEN") or None})
+    worker = WorkerConfig.model_validate(worker.model_dump())  # model_copy skips validation
+    base = loaded.source.parent.resolve() if loaded and loaded.source else Path.cwd()
+    return resolve(config.model_copy(update={"worker": worker}), base,
+                   loaded.source if loaded else None, loaded.lines if loaded else {},
+                   files=loaded.files if loaded else (), digest=loaded.digest if loaded else "")
 
 
 def _reload_loader(args: argparse.Namespace, listen: str) -> Callable[[], LoadedConfig]:

@@ -206,6 +206,9 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             tensor_parallel_size=m.tensor_parallel_size or 1,
             pipeline_parallel_size=m.pipeline_parallel_size or 1,
             distributed_executor_backend=m.distributed_executor_backend,
+            rpc_workers=tuple(m.rpc.workers) if m.rpc else (),
+            rpc_split=tuple(m.rpc.split) if m.rpc and isinstance(m.rpc.split, list) else None,
+            rpc_threads=m.rpc.threads if m.rpc else 1,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}

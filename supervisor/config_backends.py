@@ -71,8 +71,12 @@ def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[Co
                 found = kv_type_problem(kv_type, llama_binary(config.binary))
                 if found:
                     problem(("defaults", "kv_cache", "ladder", i), found)
+    if config.worker.enabled and not config.worker.token:
+        problem(("worker", "token"), "a worker needs a token: peers send it as their key")
     for name, m in config.models.items():
         at: Loc = ("models", name)
+        if m.rpc is not None:
+            _check_rpc(config, m, at, problem)
         if m.backend == "vllm":
             _check_vllm(m, models[name], at, problem)
         else:
@@ -136,3 +140,26 @@ def _check_vllm(m: ModelConfig, spec: ModelSpec, at: Loc,
         found = vllm_kv_type_problem(kv_type, command)
         if found:
             problem(loc, found)
+
+
+def _check_rpc(config: Config, m: ModelConfig, at: Loc,
+               problem: Callable[[Loc, str], None]) -> None:
+    assert m.rpc is not None
+    if m.backend != "llama-server":
+        problem((*at, "rpc"), "rpc splits a GGUF model over llama.cpp's rpc-servers; vLLM "
+                              "spreads a model with tensor_parallel_size / "
+                              "pipeline_parallel_size and distributed_executor_backend: ray")
+    for i, worker in enumerate(m.rpc.workers):
+        if worker != "local" and worker not in config.peers:
+            problem((*at, "rpc", "workers", i),
+                    f"unknown worker {worker!r}: `local` or a peer "
+                    f"({', '.join(sorted(config.peers)) or 'no peers configured'})")
+    if isinstance(m.rpc.split, list) and len(m.rpc.split) != len(m.rpc.workers):
+        problem((*at, "rpc", "split"), f"{len(m.rpc.split)} weights for "
+                                       f"{len(m.rpc.workers)} workers")
+    if not isinstance(m.replicas, int) or m.replicas != 1:
+        problem((*at, "replicas"), "a model split over RPC workers runs one head")
+    for i, arg in enumerate(m.args):
+        if arg.split("=", 1)[0] in ("--rpc", "--tensor-split", "-ts"):
+            problem((*at, "args", i), f"{arg} is not allowed in args: corral sets it from "
+                                      "rpc.workers and the split it plans")

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config_memory import KvCacheConfig, MemoryConfig
+from corral.supervisor.config_rpc import PeerConfig, RpcConfig, WorkerConfig
 
 __all__ = ["BackendKind", "Config", "Defaults", "GroupConfig", "ModelConfig", "PolicyConfig",
            "ReplicasConfig", "split_listen"]
@@ -136,6 +137,9 @@ class ModelConfig(_Strict):
     pipeline_parallel_size: int | None = Field(None, ge=1, description="vllm: pipeline stages")
     distributed_executor_backend: str | None = Field(
         None, description="vllm: mp or ray (multi-GPU, multi-node)")
+    rpc: RpcConfig | None = Field(
+        None, description="llama-server: split the layers over rpc-server workers (local "
+        "children or peers' ones); the head and its workers start, stop and die together")
     replicas: int | ReplicasConfig = Field(
         1, description="identical children behind this name (least busy first): a number, or "
         "{min, max, scale_after} to scale with the queue and back down on ttl")
@@ -214,6 +218,12 @@ class Config(_Strict):
     memory: MemoryConfig = MemoryConfig()
     models: dict[str, ModelConfig] = {}
     groups: dict[str, GroupConfig] = {}
+    peers: dict[str, PeerConfig] = Field(
+        {}, description="other corrals that lend their devices (worker mode), by name; a "
+        "model's rpc.workers may name them")
+    worker: WorkerConfig = Field(
+        WorkerConfig(), description="lend this machine's devices to heads (rpc-servers on "
+        "request, authenticated by token)")
 
     @field_validator("listen")
     @classmethod

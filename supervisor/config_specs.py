@@ -59,6 +59,12 @@ class ModelSpec:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Split over RPC workers (llama-server): as configured, then what a start deployed.
+    rpc_workers: tuple[str, ...] = ()
+    rpc_split: tuple[float, ...] | None = None
+    rpc_threads: int = 1
+    rpc_servers: tuple[str, ...] = ()  # host:port per worker, set when deployed
+    tensor_split: tuple[int, ...] = ()  # layers per worker, set when deployed
 
 
 @dataclass(frozen=True)

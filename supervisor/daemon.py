@@ -37,10 +37,15 @@ from corral.supervisor.errors import (
     UnknownModel,
 )
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
+from corral.supervisor.memory.estimate import model_facts
+from corral.supervisor.memory.gguf_info import describe_gguf
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.memory.view import MIB, Footprint
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.reservation import Reservation
+from corral.supervisor.rpc.deploy import RpcDeployer
+from corral.supervisor.rpc.lender import Lender
+from corral.supervisor.rpc.plan import layer_need
 from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
@@ -52,6 +57,13 @@ class Daemon:
         self.loaded = loaded
         # Kills the children's process groups if this daemon dies without stopping them.
         self._keeper = GroupKeeper()
+        self._session: aiohttp.ClientSession | None = None
+        # Models split over RPC workers: their rpc-servers, local or a peer's.
+        self.deployer = RpcDeployer(loaded.config.peers, self._keeper, self._http,
+                                    self._device_free)
+        # Worker mode: rpc-servers this corral lends to other heads.
+        self.lender = Lender(loaded.config.worker, loaded.config.binary, self._keeper,
+                             self._device_free) if loaded.config.worker.enabled else None
         self.instances: dict[str, Instance] = {
             name: self._new_instance(spec, BACKENDS[spec.backend])
             for name, spec in loaded.models.items()
@@ -63,7 +75,6 @@ class Daemon:
             self._fit_replicas(inst, drain=0.0)
         self._changed = Changed()
         self._registry = ChildRegistry(state_file)
-        self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -93,10 +104,14 @@ class Daemon:
         self._kv_restart: set[str] = set()  # models whose next start is for a KV change
         self._memory_task: asyncio.Task[None] | None = None
         self._memory_wake = asyncio.Event()
+        self._rebalance_interval = 2.0
 
     def _new_instance(self, spec: ModelSpec, backend: Backend, replica: int = 1) -> Instance:
         return Instance(spec, backend, self._on_instance_change, replica=replica,
-                        keeper=self._keeper)
+                        keeper=self._keeper, deployer=self.deployer)
+
+    def _device_free(self) -> dict[str, int]:
+        return self.memory.device_free()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -114,6 +129,8 @@ class Daemon:
             log.exception("daemon.memory_watch_failed")  # corral serves without it meanwhile
         self._spawn_task(self._prefetch_facts(self.loaded))
         self._memory_task = asyncio.create_task(self._watch_memory(), name="memory")
+        if any(i.spec.rpc_workers for i in self.instances.values()) or self.loaded.config.peers:
+            self._spawn_task(self._watch_missing_workers())
         for inst in self.instances.values():
             if inst.pinned:
                 self._spawn_task(self._preload(inst.name))
@@ -149,6 +166,8 @@ class Daemon:
         # Stops are never cancelled: each ends with its process group gone.
         await asyncio.gather(*(i.stop("daemon shutdown") for i in self._everyone()
                                if i.state is not State.STOPPED), return_exceptions=True)
+        if self.lender is not None:
+            await self.lender.close()
         self._registry.clear()
         self._keeper.close()
         if self._session:
@@ -464,6 +483,72 @@ class Daemon:
         reason = "unloaded by admin" + (" (forced)" if force else "")
         await asyncio.gather(*(r.stop(reason, drain=drain) for r in self.members(inst)))
         return inst
+
+    async def rebalance(self, name: str) -> Instance:
+        """Deploy a model split over RPC workers again, over every worker reachable now, with
+        a new split from what each has free: drain, stop, start."""
+        inst = self.instance(name)
+        if not inst.spec.rpc_workers:
+            raise NotServed(f"{name} is not split over RPC workers: nothing to rebalance")
+        await inst.stop("rebalance", drain=self.loaded.config.shutdown_grace)
+        return await self.load(name)
+
+    async def gguf_info(self, name: str) -> dict[str, Any]:
+        """The model file's metadata and tensors (the gguf package's reader, in a thread), the
+        bytes per layer, and for a model split over RPC workers the split it runs with."""
+        inst = self.instance(name)
+        if inst.spec.backend != "llama-server":
+            raise NotServed(f"{name} is a {inst.spec.backend} model, not a GGUF file")
+        try:
+            info = await asyncio.to_thread(describe_gguf, inst.spec.model_path)
+        except (OSError, ValueError) as exc:
+            raise NotServed(f"{name}: cannot read {inst.spec.model_path}: {exc}") from exc
+        spec = inst.started_with
+        info["model"] = inst.name
+        try:
+            facts = await asyncio.to_thread(model_facts, spec.model_path)
+            info["layer_need_mib"] = round(layer_need(
+                facts, spec.ctx, spec.parallel, spec.cache_type_k, spec.cache_type_v) / MIB, 3)
+        except Exception:  # a file llama.cpp reads but our arithmetic does not: say nothing
+            info["layer_need_mib"] = None
+        rpc = inst.describe()["rpc"]
+        info["rpc"] = rpc
+        return info
+
+    async def _watch_missing_workers(self) -> None:
+        """A model deployed without a worker that was unreachable: once that worker answers
+        again and the model is idle, deploy it again over all of them."""
+        while True:
+            await asyncio.sleep(self._rebalance_interval)
+            for inst in list(self.instances.values()):
+                deployment = inst.deployment
+                if inst.state is not State.READY or deployment is None \
+                        or not deployment.missing or inst.busy or inst.queued:
+                    continue
+                back = [p for p in deployment.missing if await self._peer_answers(p)]
+                if back and inst.state is State.READY and not inst.busy and not inst.queued:
+                    log.info("daemon.rebalance", model=inst.name, back=back,
+                             reason="a missing worker answers again")
+                    self._spawn_task(self._rebalance_quietly(inst.name))
+
+    async def _rebalance_quietly(self, name: str) -> None:
+        try:
+            await self.rebalance(name)
+        except SupervisorError as exc:  # the next request tries again
+            log.warning("daemon.rebalance_failed", model=name, error=str(exc))
+
+    async def _peer_answers(self, peer_name: str) -> bool:
+        peer = self.loaded.config.peers.get(peer_name)
+        if peer is None:
+            return False
+        try:
+            async with self._http().get(
+                    f"{peer.url.rstrip('/')}/peer/info",
+                    headers={"Authorization": f"Bearer {peer.token}"},
+                    timeout=aiohttp.ClientTimeout(total=3)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -914,6 +999,7 @@ class Daemon:
         reader_changed = (old_memory.gpu_reader, old_memory.gpu_reader_options) != (
             new.config.memory.gpu_reader, new.config.memory.gpu_reader_options)
         self.memory.reconfigure(new.config.memory, new.gpu_reader if reader_changed else None)
+        self.deployer.reconfigure(new.config.peers)
         self._memory_wake.set()  # new limits apply at once, not at the next sample
         for name in (*plan.remove, *(c.name for c in plan.replace)):
             self._kv_level.pop(name, None)  # new settings start from the ladder's top

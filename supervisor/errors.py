@@ -63,6 +63,13 @@ class StartTimedOut(StartFailed):
     pass
 
 
+class WorkersUnavailable(StartFailed):
+    """A model split over RPC workers cannot be deployed now (a worker unreachable and the
+    rest too small, a protocol mismatch): worth a retry once the worker is back."""
+
+    retry_after = 5.0
+
+
 def shown(name: str) -> str:
     """A requested name as messages quote it: repr, cut short (a name can be 1 MB of input)."""
     if len(name) <= _NAME_SHOWN:

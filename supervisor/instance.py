@@ -19,7 +19,7 @@ import structlog
 
 from corral.supervisor.backends.base import Backend, BinaryNotFound
 from corral.supervisor.config import ModelSpec
-from corral.supervisor.errors import StartFailed, StartTimedOut
+from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.process import (
     ChildExited,
     ChildProcess,
@@ -29,6 +29,8 @@ from corral.supervisor.process import (
     probe_lists_model,
 )
 from corral.supervisor.reaper import GroupKeeper
+from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
+from corral.supervisor.rpc.workers import RpcError
 
 
 class State(StrEnum):
@@ -118,9 +120,11 @@ class Health:
 
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
-                 replica: int = 1, keeper: GroupKeeper | None = None):
+                 replica: int = 1, keeper: GroupKeeper | None = None,
+                 deployer: RpcDeployer | None = None):
         self.spec = spec
         self._keeper = keeper
+        self._deployer = deployer  # for models split over RPC workers
         # A model with `replicas` runs several instances: replica 1 is named like the model,
         # the others "<model>#<n>". Each is a state machine of its own: replicas start, fail
         # and scale one by one.
@@ -133,6 +137,7 @@ class Instance:
         self.since = time.time()
         self.port: int | None = None
         self.process: ChildProcess | None = None
+        self.deployment: Deployment | None = None  # the RPC workers of the current child
         self.in_flight = 0
         self.queued = 0  # requests inside acquire(): waiting for start, room or a slot
         self.held = 0  # groups running with this model as a member (Daemon.reserve)
@@ -291,13 +296,18 @@ class Instance:
         """One start attempt: the healthy child, or None when it lost its port (retry)."""
         self.port = free_port()
         api_key = secrets.token_urlsafe(24)
+        deployment = await self._deploy() if self.spec.rpc_workers else None
         try:
             argv = self.backend.argv(self.started_with, self.port)
         except BinaryNotFound as exc:
+            if deployment is not None:
+                await asyncio.shield(deployment.release())
             self._fail_start(str(exc))
             raise StartFailed(str(exc)) from exc
         env = {**self.backend.env(self.started_with), **self.backend.auth_env(api_key)}
-        process = ChildProcess(self.name, argv, env, keeper=self._keeper)
+        process = ChildProcess(self.name, argv, env, keeper=self._keeper) \
+            if deployment is None else \
+            ProcessSet(self.name, argv, env, deployment, keeper=self._keeper)
         self.process = process
         self._headers = {"Authorization": f"Bearer {api_key}"}
         # Shielded: a stop arriving mid-spawn must find a child it can stop, not an exec
@@ -343,6 +353,24 @@ class Instance:
             raise StartFailed(message) from exc
         return process
 
+    async def _deploy(self) -> Deployment:
+        """Start the model's RPC workers and plan its split; the head's argv takes both.
+        On any failure (cancellation included) no worker is left running."""
+        if self._deployer is None:
+            message = f"{self.name}: no RPC deployer (models split over workers need the daemon)"
+            self._fail_start(message)
+            raise StartFailed(message)
+        try:
+            deployment = await self._deployer.deploy(self.started_with, self.spec.start_timeout)
+        except (RpcError, BinaryNotFound) as exc:
+            self._fail_start(str(exc))
+            raise WorkersUnavailable(str(exc)) from exc
+        self.started_with = dataclasses.replace(
+            self.started_with, rpc_servers=deployment.endpoints,
+            tensor_split=deployment.plan.layers)
+        self.deployment = deployment
+        return deployment
+
     def _readiness(self, session: aiohttp.ClientSession) -> Callable[[float], Awaitable[bool]]:
         """The start's readiness probe: /health answers 200 and, for a backend that answers
         it early (vLLM), /v1/models lists the model's name."""
@@ -368,7 +396,8 @@ class Instance:
         if self.process is not process:
             return
         tail = process.tail(5)
-        detail = f": {tail[-1]}" if tail else ""
+        why = process.exit_reason()
+        detail = f": {why}" if why else f": {tail[-1]}" if tail else ""
         message = f"{self.name} exited unexpectedly with code {code}{detail}"
         if self.state in (State.READY, State.DRAINING):
             self._transition(State.FAILED, message)
@@ -556,6 +585,15 @@ class Instance:
             task.cancel()
             self._watchdog_task = None
 
+    def _rpc_state(self) -> dict[str, Any] | None:
+        if not self.spec.rpc_workers:
+            return None
+        live = self.deployment if self.state in LOADED_STATES else None
+        return {"workers": list(self.spec.rpc_workers),
+                "split": list(self.spec.rpc_split) if self.spec.rpc_split else "auto",
+                "deployed": live.describe() if live else None,
+                "missing": list(live.missing) if live else []}
+
     def describe(self, now_mono: float | None = None) -> dict[str, Any]:
         now = now_mono or time.monotonic()
         idle = self.idle_seconds(now)
@@ -584,6 +622,8 @@ class Instance:
             "cache_type_v": self.started_with.cache_type_v,
             # vLLM's share of each GPU it uses (None: not on a GPU, or vLLM's default)
             "gpu_memory_utilization": self.started_with.gpu_memory_utilization,
+            # RPC workers with the layers each holds (None: not split over workers)
+            "rpc": self._rpc_state(),
             "ttl": self.spec.ttl,
             "ttl_left": ttl_left,
             "pinned": self.pinned,

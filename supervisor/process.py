@@ -134,6 +134,10 @@ class ChildProcess:
     def tail(self, n: int = 20) -> list[str]:
         return list(self.logs)[-n:]
 
+    def exit_reason(self) -> str | None:
+        """Why the child ended, when corral knows better than its last log line."""
+        return None
+
     async def spawn(self) -> int:
         env = child_environment(os.environ, self.env)
         self._proc = await asyncio.create_subprocess_exec(

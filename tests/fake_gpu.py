@@ -38,6 +38,9 @@ class FileGpu:
 
     def devices(self) -> list[Device]:
         data, children = self._read()
+        if "gpus" in data:  # several GPUs, each {"total_mb", "used_mb"}: fixed figures
+            return [Device(name, "gpu", int(g["total_mb"] * MIB), int(g["used_mb"] * MIB),
+                           "injected by the test") for name, g in sorted(data["gpus"].items())]
         # Like NVML, never more than the device has.
         used = min(data["total_mb"], data["others_mb"] + data["per_child_mb"] * len(children))
         return [Device("gpu0", "gpu", int(data["total_mb"] * MIB), int(used * MIB),
@@ -45,6 +48,8 @@ class FileGpu:
 
     def usage_by_pid(self) -> Mapping[int, Mapping[str, int]]:
         data, children = self._read()
+        if "gpus" in data:
+            return {}
         return {pid: {"gpu0": int(data["per_child_mb"] * MIB)} for pid in children}
 
 
@@ -53,3 +58,11 @@ def write(path: Path, total_mb: float, others_mb: float, per_child_mb: float = 7
     tmp.write_text(json.dumps({"total_mb": total_mb, "others_mb": others_mb,
                                "per_child_mb": per_child_mb}))
     tmp.replace(path)  # whole, never half-written
+
+
+def write_gpus(path: Path, gpus: dict[str, tuple[float, float]]) -> None:
+    """Several GPUs with fixed figures: name -> (total MiB, used MiB)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"gpus": {n: {"total_mb": t, "used_mb": u}
+                                        for n, (t, u) in gpus.items()}}))
+    tmp.replace(path)

@@ -29,8 +29,10 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, [0.0] * len(tokens), [int(t) for t in types]
 
 
-def write_tiny_llama(path: Path, seed: int = 0, ctx: int = 32768, n_head: int = N_HEAD) -> Path:
-    """`n_head` 2 gives heads of 32 dims: quantized KV caches (blocks of 32) need that."""
+def write_tiny_llama(path: Path, seed: int = 0, ctx: int = 32768, n_head: int = N_HEAD,
+                     n_layer: int = N_LAYER) -> Path:
+    """`n_head` 2 gives heads of 32 dims: quantized KV caches (blocks of 32) need that; more
+    layers give an RPC split something to split."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocab()
     n_vocab = len(tokens)
@@ -42,7 +44,7 @@ def write_tiny_llama(path: Path, seed: int = 0, ctx: int = 32768, n_head: int = 
     writer.add_name(f"tiny-llama-{seed}")
     writer.add_context_length(ctx)
     writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
+    writer.add_block_count(n_layer)
     writer.add_feed_forward_length(N_FF)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head)
@@ -60,7 +62,7 @@ def write_tiny_llama(path: Path, seed: int = 0, ctx: int = 32768, n_head: int = 
     writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     writer.add_tensor("output.weight", w(n_vocab, N_EMBD))
-    for i in range(N_LAYER):
+    for i in range(n_layer):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             writer.add_tensor(f"blk.{i}.{name}.weight", w(N_EMBD, N_EMBD))

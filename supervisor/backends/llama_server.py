@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
@@ -42,6 +43,9 @@ class LlamaServer:
             argv += ["--mmproj", str(spec.mmproj)]
         if spec.embeddings:
             argv += ["--embeddings"]
+        if spec.rpc_servers:  # deployed over RPC workers: layers per worker, in their order
+            argv += ["--rpc", ",".join(spec.rpc_servers),
+                     "--tensor-split", ",".join(str(n) for n in spec.tensor_split)]
         argv += spec.args
         return argv
 
@@ -58,7 +62,15 @@ class LlamaServer:
 
     def estimate(self, spec: ModelSpec, kv: tuple[str | None, str | None],
                  gpus: Sequence[str]) -> Estimate:
-        return estimate(model_facts(spec.model_path), ctx=spec.ctx, parallel=spec.parallel,
+        facts = model_facts(spec.model_path)
+        if spec.rpc_workers:
+            # The layers and their KV live on the RPC workers (the split planner checks they
+            # fit there); the head keeps its compute buffers and itself on this machine.
+            whole = estimate(facts, ctx=spec.ctx, parallel=spec.parallel, n_gpu_layers=0,
+                             cache_type_k=kv[0], cache_type_v=kv[1], gpus=())
+            return dataclasses.replace(whole, devices={"cpu": whole.compute + whole.overhead},
+                                       weights=0, kv=0)
+        return estimate(facts, ctx=spec.ctx, parallel=spec.parallel,
                         n_gpu_layers=spec.n_gpu_layers, cache_type_k=kv[0],
                         cache_type_v=kv[1], gpus=gpus)
 

@@ -176,6 +176,12 @@ class MemoryTracker:
             return ()
         return tuple(sorted(n for n, d in self.sample.devices.items() if d.kind == "gpu"))
 
+    def device_free(self) -> dict[str, int]:
+        """Free bytes of each device ("cpu", "gpu0"...), as last read."""
+        if self.sample is None:
+            return {}
+        return {n: d.free for n, d in self.sample.devices.items()}
+
     def gpu_totals(self) -> dict[str, int]:
         """Each GPU's size in bytes, as last read."""
         if self.sample is None:

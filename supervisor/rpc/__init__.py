@@ -1,0 +1,1 @@
+"""Models split over several machines with llama.cpp's RPC backend."""

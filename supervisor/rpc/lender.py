@@ -1,0 +1,119 @@
+"""The worker side: a corral that lends its devices runs rpc-servers for heads that ask, each on
+a lease the head renews; a head that goes silent loses its servers after `lease` seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from corral.supervisor.config_rpc import WorkerConfig
+from corral.supervisor.process import ChildProcess
+from corral.supervisor.reaper import GroupKeeper
+from corral.supervisor.rpc.workers import rpc_server_binary, rpc_version, start_local_rpc_server
+
+log = structlog.get_logger("corral.rpc")
+
+__all__ = ["Lender", "Loan"]
+
+
+@dataclass
+class Loan:
+    id: str
+    model: str
+    process: ChildProcess
+    port: int
+    device: str
+    free: int
+    expires: float  # monotonic
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "pid": self.process.pid, "port": self.port,
+                "device": self.device, "free_mib": round(self.free / 2**20, 1)}
+
+
+class Lender:
+    def __init__(self, config: WorkerConfig, binary: str | None, keeper: GroupKeeper | None,
+                 device_free: Callable[[], dict[str, int]]):
+        self.config = config
+        self._binary = binary
+        self.keeper = keeper
+        self._device_free = device_free
+        self.loans: dict[str, Loan] = {}
+        self._expiry: asyncio.Task[None] | None = None
+        if config.bind not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("rpc.bind_not_loopback", bind=config.bind,
+                        note="rpc-server has no authentication: anyone who reaches this "
+                             "address can use its devices while a loan runs")
+
+    def info(self) -> dict[str, Any]:
+        binary = rpc_server_binary(self._binary)
+        return {"rpc_version": rpc_version(binary), "bind": self.config.bind,
+                "devices": {n: round(f / 2**20, 1) for n, f in self._device_free().items()},
+                "loans": [loan.describe() for loan in self.loans.values()]}
+
+    async def lend(self, model: str) -> tuple[Loan, str]:
+        """An rpc-server on the device with the most free memory not already lent, and the
+        RPC protocol version it speaks."""
+        binary = rpc_server_binary(self._binary)
+        version = await asyncio.to_thread(rpc_version, binary)
+        free = self._device_free()
+        taken = {loan.device for loan in self.loans.values() if loan.device != "cpu"}
+        gpus = {d: f for d, f in free.items() if d != "cpu" and d not in taken}
+        if gpus:
+            device = max(gpus, key=lambda d: gpus[d])
+            env = {"CUDA_VISIBLE_DEVICES": device.removeprefix("gpu")}
+        else:
+            device, env = "cpu", {}
+        loan_id = secrets.token_hex(8)
+        process, port = await start_local_rpc_server(
+            f"{model}/lent#{loan_id}", binary, self.config.bind, 1, env, self.keeper, 30)
+        loan = Loan(loan_id, model, process, port, device, free.get(device, 0),
+                    time.monotonic() + self.config.lease)
+        self.loans[loan_id] = loan
+        self._ensure_expiry()
+        log.info("rpc.lent", model=model, id=loan_id, pid=process.pid, port=port,
+                 device=device)
+        return loan, version
+
+    def renew(self, loan_id: str) -> bool:
+        loan = self.loans.get(loan_id)
+        if loan is None or not loan.process.alive():
+            return False
+        loan.expires = time.monotonic() + self.config.lease
+        return True
+
+    async def end(self, loan_id: str, why: str) -> bool:
+        loan = self.loans.pop(loan_id, None)
+        if loan is None:
+            return False
+        log.info("rpc.loan_ended", model=loan.model, id=loan_id, pid=loan.process.pid, why=why)
+        await asyncio.shield(loan.process.stop(2.0))
+        return True
+
+    def _ensure_expiry(self) -> None:
+        if self._expiry is None or self._expiry.done():
+            self._expiry = asyncio.create_task(self._expire(), name="rpc-leases")
+
+    async def _expire(self) -> None:
+        while self.loans:
+            await asyncio.sleep(min(1.0, self.config.lease / 4))
+            now = time.monotonic()
+            for loan in list(self.loans.values()):
+                if not loan.process.alive():
+                    await self.end(loan.id, "its rpc-server exited")
+                elif loan.expires < now:
+                    await self.end(loan.id, f"no renewal from the head in {self.config.lease:g}s")
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        for loan_id in list(self.loans):
+            with contextlib.suppress(Exception):
+                await self.end(loan_id, "worker shutdown")
