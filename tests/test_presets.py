@@ -30,7 +30,7 @@ QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
 def test_the_presets_are_there() -> None:
     names = {str(p.relative_to(PRESETS)) for p in ALL}
     assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
-            "fixed-appliance.yaml", "memory.yaml", "vllm.yaml",
+            "fixed-appliance.yaml", "memory.yaml", "vllm.yaml", "distributed-rpc.yaml",
             "contrib/biggest-first.yaml"} <= names
 
 
@@ -242,3 +242,15 @@ def test_vllm_preset_serves_its_gguf_model_and_says_how_to_get_vllm(
         "group": "duo", "messages": QUESTION, "max_tokens": 8}).json()
     outcome = {m["model"]: m["status"] for m in result["responses"]}
     assert outcome == {"chat": "error", "helper": "ok"} and result["complete"], result
+
+
+def test_distributed_rpc_preset_splits_the_demo_model_over_two_local_workers(
+        start_corral: CorralFactory, smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "distributed-rpc.yaml")
+    ask(corral, "big")  # 200 with content, through the two workers
+    rpc = corral.model("big")["rpc"]
+    assert [w["kind"] for w in rpc["deployed"]] == ["local", "local"]
+    assert sum(w["layers"] for w in rpc["deployed"]) == 30  # SmolLM2-135M's layers
+    info = corral.http.get("/admin/models/big/gguf").json()
+    assert (info["architecture"], info["layers"]) == ("llama", 30)
+    assert corral.model("huge")["rpc"]["workers"] == ["local", "box2"]

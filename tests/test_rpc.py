@@ -416,6 +416,24 @@ def test_without_room_on_the_remaining_workers_requests_get_503_until_the_worker
     assert [w["kind"] for w in rpc_state(head)["deployed"]] == ["local", "peer"]
 
 
+def test_a_head_that_dies_leaves_nothing_running_on_its_worker(
+        start_corral: CorralFactory, worker: Worker, eight_layers: Path) -> None:
+    head = start_corral({
+        "defaults": {"ttl": 600, "stop_grace": 5},
+        "peers": {"box2": {"url": worker.url, "token": TOKEN}},
+        "models": {"solo": {"model": str(eight_layers), "ctx": 1024,
+                            "rpc": {"workers": ["box2"]}}},
+    })
+    assert head.chat("solo", max_tokens=1).status_code == 200
+    assert [loan["model"] for loan in worker.loans()] == ["solo"]
+    head.proc.send_signal(signal.SIGKILL)
+    head.proc.wait(10)
+    # No renewals: the loan ends after its 5 s lease, and its rpc-server with it.
+    wait_until(lambda: worker.loans() == [], timeout=15, interval=0.5)
+    log = (worker.folder / "worker.log").read_text()
+    assert "no renewal from the head in 5s" in log
+
+
 def test_a_worker_of_another_rpc_protocol_is_refused(
         start_corral: CorralFactory, netns: str, eight_layers: Path, tmp_path: Path) -> None:
     """Another llama.cpp build on the worker: a wrapper that announces protocol v6.9.0 before

@@ -142,22 +142,43 @@ class RpcDeployer:
         version = await asyncio.to_thread(rpc_version, binary)
         workers: list[Worker] = []
         missing: list[str] = []
+        free_now = self._device_free()
+        gpus = sorted(d for d in free_now if d != "cpu")
+        local_cpu = sum(1 for i, w in enumerate(spec.rpc_workers) if w == "local"
+                        and self._local_index(spec, i) >= len(gpus))
+
+        async def start(i: int, entry: str) -> Worker | None:
+            if entry == "local":
+                return await self._start_local(spec, i, binary, gpus, free_now,
+                                               max(1, local_cpu), timeout)
+            try:
+                return await self._ask_peer(spec, entry, version, timeout)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.warning("rpc.peer_unreachable", model=spec.name, peer=entry,
+                            error=str(exc) or type(exc).__name__)
+                return None
+
+        # All at once: the workers start in parallel, in their configured order.
+        starts = [asyncio.ensure_future(start(i, e)) for i, e in enumerate(spec.rpc_workers)]
         try:
-            free_now = self._device_free()
-            gpus = sorted(d for d in free_now if d != "cpu")
-            local_cpu = sum(1 for i, w in enumerate(spec.rpc_workers) if w == "local"
-                            and self._local_index(spec, i) >= len(gpus))
-            for i, entry in enumerate(spec.rpc_workers):
-                if entry == "local":
-                    workers.append(await self._start_local(
-                        spec, i, binary, gpus, free_now, max(1, local_cpu), timeout))
-                    continue
-                try:
-                    workers.append(await self._ask_peer(spec, entry, version, timeout))
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    missing.append(entry)
-                    log.warning("rpc.peer_unreachable", model=spec.name, peer=entry,
-                                error=str(exc) or type(exc).__name__)
+            try:
+                await asyncio.wait(starts)
+            except asyncio.CancelledError:
+                for task in starts:
+                    task.cancel()
+                await asyncio.shield(asyncio.wait(starts))
+                raise
+            finally:
+                for task, entry in zip(starts, spec.rpc_workers, strict=True):
+                    if task.done() and not task.cancelled() and task.exception() is None:
+                        found = task.result()
+                        if found is None:
+                            missing.append(entry)
+                        else:
+                            workers.append(found)
+            for task in starts:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
             weights = None
             if spec.rpc_split is not None:
                 if missing:

@@ -131,7 +131,7 @@ async def wait_accepting(host: str, port: int, timeout: float, child: ChildProce
             if loop.time() > deadline:
                 raise RpcError(f"nothing accepts connections at {host}:{port} after "
                                f"{timeout:g}s") from None
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
 
 
 async def start_local_rpc_server(name: str, binary: str, bind: str, threads: int,
