@@ -49,6 +49,11 @@ _OWNED_VLLM_FLAGS = {
     "--pipeline-parallel-size": "use the `pipeline_parallel_size` key",
 }
 
+# Flags corral sets itself for a model split over RPC workers.
+_SET_FROM_THE_PLAN = "corral sets it from rpc.workers and the split it plans"
+_OWNED_RPC_FLAGS = {"--rpc": _SET_FROM_THE_PLAN, "--tensor-split": _SET_FROM_THE_PLAN,
+                    "-ts": _SET_FROM_THE_PLAN}
+
 
 def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[ConfigIssue],
                    line: Callable[[Loc], int | None], filename: str) -> None:
@@ -90,14 +95,20 @@ def _foreign_keys(m: ModelConfig, foreign: dict[str, str], at: Loc, own: str, ot
                             f"{foreign[key]}")
 
 
+def _refuse_flags(m: ModelConfig, at: Loc, table: dict[str, str], message: str,
+                  problem: Callable[[Loc, str], None]) -> None:
+    """Every `args` entry whose flag (`--flag` or `--flag=value`) is in `table`."""
+    for i, arg in enumerate(m.args):
+        flag = arg.split("=", 1)[0]
+        if flag in table:
+            problem((*at, "args", i), message.format(flag=flag, why=table[flag]))
+
+
 def _check_llama(m: ModelConfig, binary: str | None, at: Loc,
                  problem: Callable[[Loc, str], None]) -> None:
     _foreign_keys(m, _VLLM_ONLY, at, "llama-server", "vllm", problem)
-    for i, arg in enumerate(m.args):
-        flag = arg.split("=", 1)[0]
-        if flag in _REMOVED_LLAMA_FLAGS:
-            problem((*at, "args", i), f"llama-server no longer has {flag}; use "
-                                      f"{_REMOVED_LLAMA_FLAGS[flag]}")
+    _refuse_flags(m, at, _REMOVED_LLAMA_FLAGS, "llama-server no longer has {flag}; use {why}",
+                  problem)
     for key in ("cache_type_k", "cache_type_v"):
         value = getattr(m, key)
         found = kv_type_problem(value, binary) if value is not None else None
@@ -114,11 +125,7 @@ def _check_llama(m: ModelConfig, binary: str | None, at: Loc,
 def _check_vllm(m: ModelConfig, spec: ModelSpec, at: Loc,
                 problem: Callable[[Loc, str], None]) -> None:
     _foreign_keys(m, _LLAMA_ONLY, at, "vllm", "llama-server", problem)
-    for i, arg in enumerate(m.args):
-        flag = arg.split("=", 1)[0]
-        if flag in _OWNED_VLLM_FLAGS:
-            problem((*at, "args", i), f"{flag} is not allowed in args: "
-                                      f"{_OWNED_VLLM_FLAGS[flag]}")
+    _refuse_flags(m, at, _OWNED_VLLM_FLAGS, "{flag} is not allowed in args: {why}", problem)
     wanted: list[tuple[str, Loc]] = []
     if m.kv_cache_dtype is not None:
         wanted.append((m.kv_cache_dtype, (*at, "kv_cache_dtype")))
@@ -159,7 +166,4 @@ def _check_rpc(config: Config, m: ModelConfig, at: Loc,
                                        f"{len(m.rpc.workers)} workers")
     if not isinstance(m.replicas, int) or m.replicas != 1:
         problem((*at, "replicas"), "a model split over RPC workers runs one head")
-    for i, arg in enumerate(m.args):
-        if arg.split("=", 1)[0] in ("--rpc", "--tensor-split", "-ts"):
-            problem((*at, "args", i), f"{arg} is not allowed in args: corral sets it from "
-                                      "rpc.workers and the split it plans")
+    _refuse_flags(m, at, _OWNED_RPC_FLAGS, "{flag} is not allowed in args: {why}", problem)

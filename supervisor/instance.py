@@ -316,6 +316,8 @@ class Instance:
         try:
             await asyncio.shield(spawning)
         except OSError as exc:
+            if deployment is not None:  # its workers must not outlive a head that never ran
+                await asyncio.shield(deployment.release())
             message = f"cannot execute {argv[0]}: {exc.strerror or exc}"
             self._fail_start(message)
             raise StartFailed(message) from exc
