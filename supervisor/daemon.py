@@ -129,8 +129,7 @@ class Daemon:
             log.exception("daemon.memory_watch_failed")  # corral serves without it meanwhile
         self._spawn_task(self._prefetch_facts(self.loaded))
         self._memory_task = asyncio.create_task(self._watch_memory(), name="memory")
-        if any(i.spec.rpc_workers for i in self.instances.values()) or self.loaded.config.peers:
-            self._spawn_task(self._watch_missing_workers())
+        self._spawn_task(self._watch_missing_workers())
         for inst in self.instances.values():
             if inst.pinned:
                 self._spawn_task(self._preload(inst.name))
@@ -520,16 +519,22 @@ class Daemon:
         again and the model is idle, deploy it again over all of them."""
         while True:
             await asyncio.sleep(self._rebalance_interval)
-            for inst in list(self.instances.values()):
-                deployment = inst.deployment
-                if inst.state is not State.READY or deployment is None \
-                        or not deployment.missing or inst.busy or inst.queued:
-                    continue
-                back = [p for p in deployment.missing if await self._peer_answers(p)]
-                if back and inst.state is State.READY and not inst.busy and not inst.queued:
-                    log.info("daemon.rebalance", model=inst.name, back=back,
-                             reason="a missing worker answers again")
-                    self._spawn_task(self._rebalance_quietly(inst.name))
+            try:
+                await self._rebalance_where_workers_returned()
+            except Exception:  # one bad round must not end the watch for good
+                log.exception("daemon.worker_watch_failed")
+
+    async def _rebalance_where_workers_returned(self) -> None:
+        for inst in list(self.instances.values()):
+            deployment = inst.deployment
+            if inst.state is not State.READY or deployment is None \
+                    or not deployment.missing or inst.busy or inst.queued:
+                continue
+            back = [p for p in deployment.missing if await self._peer_answers(p)]
+            if back and inst.state is State.READY and not inst.busy and not inst.queued:
+                log.info("daemon.rebalance", model=inst.name, back=back,
+                         reason="a missing worker answers again")
+                self._spawn_task(self._rebalance_quietly(inst.name))
 
     async def _rebalance_quietly(self, name: str) -> None:
         try:
