@@ -363,7 +363,8 @@ class Instance:
             self._fail_start(message)
             raise StartFailed(message)
         try:
-            deployment = await self._deployer.deploy(self.started_with, self.spec.start_timeout)
+            deployment = await self._deployer.deploy(self.started_with, self.spec.start_timeout,
+                                                     avoid_ports={self.port or 0})
         except (RpcError, BinaryNotFound) as exc:
             self._fail_start(str(exc))
             raise WorkersUnavailable(str(exc)) from exc

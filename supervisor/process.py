@@ -10,7 +10,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 import aiohttp
 import psutil
@@ -38,10 +38,16 @@ class ChildStartTimeout(RuntimeError):
         super().__init__(message)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A port free now, and not one of `avoid` (the kernel may hand the same free port to two
+    callers in a row: children started together must not be given one port)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise OSError("no free port outside the ones already handed out")
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:

@@ -81,6 +81,7 @@ def test_two_local_workers_serve_with_the_split_of_their_free_memory(local: Corr
     state = local.model("big")
     deployed = state["rpc"]["deployed"]
     assert [(w["device"], w["layers"]) for w in deployed] == [("gpu0", 6), ("gpu1", 2)]
+    assert len({w["endpoint"] for w in deployed}) == 2  # started together, a port each
     assert [w["free_mib"] for w in deployed] == [3000.0, 1000.0]
     head = psutil.Process(state["pid"]).cmdline()
     assert head[head.index("--rpc") + 1] == ",".join(w["endpoint"] for w in deployed)

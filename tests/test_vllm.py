@@ -47,7 +47,7 @@ def vllm_config(checkpoint: Path, tiny_models: dict[str, Path], **tinyv: Any) ->
         "defaults": {"ttl": 600, "stop_grace": 15},
         "models": {
             "tinyv": {"backend": "vllm", "model": str(checkpoint), "command": VLLM_COMMAND,
-                      "ctx": 512, "parallel": 2, **tinyv},
+                      "ctx": 2048, "parallel": 2, **tinyv},
             "tiny-a": {"model": str(tiny_models["tiny-a"]), "ctx": 2048},
         },
         "groups": {"mixed": {"models": ["tiny-a", "tinyv"], "type": "parallel"}},
@@ -93,9 +93,9 @@ def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Pa
     assert flags["--model"] == str(checkpoint)
     assert flags["--served-model-name"] == "tinyv"
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == str(state["port"])
-    assert (flags["--max-model-len"], flags["--max-num-seqs"]) == ("512", "2")
+    assert (flags["--max-model-len"], flags["--max-num-seqs"]) == ("2048", "2")
     env = psutil.Process(pid).environ()
-    # On CPU the KV cache is what corral sizes from the checkpoint: 512 tokens × 2 sequences
+    # On CPU the KV cache is what corral sizes from the checkpoint: 2048 tokens × 2 sequences
     # of 1 KiB each round up to the 1 GiB minimum.
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_API_KEY"] and env["VLLM_API_KEY"] not in " ".join(argv)
@@ -192,16 +192,19 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     assert client.chat.completions.create(model="tinyv", messages=HI, max_tokens=1)
     pid = served.model("tinyv")["pid"]
     members = group_of(pid)
+    # Long enough to be cut: the tiny model streams a few hundred tokens a second here.
     stream = client.chat.completions.create(
-        model="tinyv", messages=HI, max_tokens=400, temperature=0, stream=True,
+        model="tinyv", messages=HI, max_tokens=2000, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
     got: list[str] = []
+    chunks = [0]
     failure: list[BaseException] = []
     first = threading.Event()
 
     def read() -> None:
         try:
             for chunk in stream:
+                chunks[0] += 1
                 if chunk.choices and chunk.choices[0].delta.content:
                     got.append(chunk.choices[0].delta.content)
                     first.set()
@@ -216,7 +219,8 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     os.kill(pid, signal.SIGKILL)
     reader.join(60)
     assert not reader.is_alive(), "the stream hung after the child was killed"
-    assert failure, f"the stream ended without an error after {len(got)} tokens"
+    assert chunks[0] < 2000, "the stream finished before the kill: nothing was tested"
+    assert failure, f"the stream ended without an error after {chunks[0]} chunks"
     assert isinstance(failure[0], openai.APIError), repr(failure[0])
     assert "tinyv" in str(failure[0]), str(failure[0])
     # vLLM's engine core and worker go with it: nothing of the old group is left.

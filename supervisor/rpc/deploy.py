@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import structlog
 from corral.supervisor.config_rpc import PeerConfig
 from corral.supervisor.config_specs import ModelSpec
 from corral.supervisor.memory.estimate import model_facts
-from corral.supervisor.process import ChildProcess
+from corral.supervisor.process import ChildProcess, free_port
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.plan import NoFit, SplitPlan, layer_need, plan_split
 from corral.supervisor.rpc.workers import (
@@ -136,7 +136,8 @@ class RpcDeployer:
     def reconfigure(self, peers: Mapping[str, PeerConfig]) -> None:
         self.peers = dict(peers)
 
-    async def deploy(self, spec: ModelSpec, timeout: float) -> Deployment:
+    async def deploy(self, spec: ModelSpec, timeout: float,
+                     avoid_ports: Collection[int] = ()) -> Deployment:
         facts = await asyncio.to_thread(model_facts, spec.model_path)
         binary = rpc_server_binary(spec.binary)
         version = await asyncio.to_thread(rpc_version, binary)
@@ -146,11 +147,18 @@ class RpcDeployer:
         gpus = sorted(d for d in free_now if d != "cpu")
         local_cpu = sum(1 for i, w in enumerate(spec.rpc_workers) if w == "local"
                         and self._local_index(spec, i) >= len(gpus))
+        # Distinct ports for workers that start together (and none the head's).
+        taken = set(avoid_ports)
+        ports = {}
+        for i, entry in enumerate(spec.rpc_workers):
+            if entry == "local":
+                ports[i] = free_port(taken)
+                taken.add(ports[i])
 
         async def start(i: int, entry: str) -> Worker | None:
             if entry == "local":
                 return await self._start_local(spec, i, binary, gpus, free_now,
-                                               max(1, local_cpu), timeout)
+                                               max(1, local_cpu), timeout, ports[i], taken)
             try:
                 return await self._ask_peer(spec, entry, version, timeout)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -209,7 +217,7 @@ class RpcDeployer:
 
     async def _start_local(self, spec: ModelSpec, position: int, binary: str,
                            gpus: list[str], free_now: dict[str, int], cpu_sharers: int,
-                           timeout: float) -> LocalWorker:
+                           timeout: float, port: int, taken: set[int]) -> LocalWorker:
         index = self._local_index(spec, position)
         name = f"{spec.name}/rpc#{position}"
         if index < len(gpus):
@@ -221,7 +229,7 @@ class RpcDeployer:
             free = free_now.get("cpu", 0) // cpu_sharers  # local CPU workers share the RAM
         process, port = await start_local_rpc_server(name, binary, "127.0.0.1",
                                                      spec.rpc_threads, env, self.keeper,
-                                                     min(timeout, 30))
+                                                     min(timeout, 30), port, taken)
         return LocalWorker(name, process, "127.0.0.1", port, free, device)
 
     async def _ask_peer(self, spec: ModelSpec, peer_name: str, version: str,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+import psutil
 import structlog
 
 from corral.supervisor.backends.binaries import BinaryNotFound, find_executable
@@ -112,9 +113,20 @@ def rpc_version(binary: str) -> str:
     return _version_cache[binary]
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself has a listening socket on `port` (a connect alone could
+    reach someone else's server on that port)."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+    except psutil.Error:
+        return False
+
+
 async def wait_accepting(host: str, port: int, timeout: float, child: ChildProcess | None = None
                          ) -> None:
-    """Until a TCP connect to host:port succeeds (rpc-server has no health endpoint)."""
+    """Until a TCP connect to host:port succeeds (rpc-server has no health endpoint) and, for
+    a child of ours, it is that child that listens there."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -122,6 +134,8 @@ async def wait_accepting(host: str, port: int, timeout: float, child: ChildProce
             raise ChildExited(f"rpc-server exited before it listened: "
                               f"{(child.tail(1) or [''])[-1]}", child.returncode, child.tail())
         try:
+            if child is not None and child.pid is not None and not _listens(child.pid, port):
+                raise OSError("not listening yet")
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
             writer.close()
             with contextlib.suppress(Exception):
@@ -136,10 +150,15 @@ async def wait_accepting(host: str, port: int, timeout: float, child: ChildProce
 
 async def start_local_rpc_server(name: str, binary: str, bind: str, threads: int,
                                  env: dict[str, str], keeper: GroupKeeper | None,
-                                 timeout: float) -> tuple[ChildProcess, int]:
-    """An rpc-server child listening on bind:<free port>; (its process, the port)."""
+                                 timeout: float, port: int | None = None,
+                                 taken: set[int] | None = None) -> tuple[ChildProcess, int]:
+    """An rpc-server child listening on bind:`port` (default: a free one outside `taken`);
+    (its process, the port). Ports it picks are added to `taken`."""
+    taken = set() if taken is None else taken
     for attempt in (1, 2):  # once more when someone took the port before it bound it
-        port = free_port()
+        if port is None or attempt == 2:
+            port = free_port(taken)
+        taken.add(port)
         proc = ChildProcess(name, [binary, "-H", bind, "-p", str(port), "-t", str(threads)],
                             env, keeper=keeper)
         await proc.spawn()
