@@ -368,6 +368,7 @@ def test_worker_loss_then_redeploy_without_it_then_rebalance_when_back(
     # The head notices (lease renewals fail, then the rpc-server's connection is gone) and
     # stops; the next request deploys over the local worker alone, which holds the model.
     wait_until(lambda: not alive(old), timeout=20)
+    wait_until(lambda: head.model("big")["state"] == "failed", timeout=10)
     resp = head.chat("big", max_tokens=2)
     assert resp.status_code == 200, resp.text
     state = rpc_state(head)
@@ -403,6 +404,8 @@ def test_without_room_on_the_remaining_workers_requests_get_503_until_the_worker
     old = head.model("big")["pid"]
     worker.kill()
     wait_until(lambda: not alive(old), timeout=20)
+    # corral has seen the head go (a request in the instant before that gets a 502).
+    wait_until(lambda: head.model("big")["state"] == "failed", timeout=10)
     resp = head.chat("big", max_tokens=1)
     assert resp.status_code == 503, resp.text
     assert resp.headers["Retry-After"]

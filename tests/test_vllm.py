@@ -225,6 +225,7 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     assert "tinyv" in str(failure[0]), str(failure[0])
     # vLLM's engine core and worker go with it: nothing of the old group is left.
     wait_until(lambda: not any(p in members for p in group_of(pid)), timeout=30)
+    wait_until(lambda: served.model("tinyv")["state"] == "failed", timeout=10)
     # The next request starts a new child and is answered by it.
     reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=3)
     assert reply.choices[0].message.content is not None
