@@ -137,7 +137,6 @@ class Instance:
         self.since = time.time()
         self.port: int | None = None
         self.process: ChildProcess | None = None
-        self.deployment: Deployment | None = None  # the RPC workers of the current child
         self.in_flight = 0
         self.queued = 0  # requests inside acquire(): waiting for start, room or a slot
         self.held = 0  # groups running with this model as a member (Daemon.reserve)
@@ -371,7 +370,6 @@ class Instance:
         self.started_with = dataclasses.replace(
             self.started_with, rpc_servers=deployment.endpoints,
             tensor_split=deployment.plan.layers)
-        self.deployment = deployment
         return deployment
 
     def _readiness(self, session: aiohttp.ClientSession) -> Callable[[float], Awaitable[bool]]:
@@ -587,6 +585,12 @@ class Instance:
         if task is not None and task is not asyncio.current_task():
             task.cancel()
             self._watchdog_task = None
+
+    @property
+    def deployment(self) -> Deployment | None:
+        """The RPC workers of the current child (None: not split over workers)."""
+        process = self.process
+        return process.deployment if isinstance(process, ProcessSet) else None
 
     def _rpc_state(self) -> dict[str, Any] | None:
         if not self.spec.rpc_workers:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ __all__ = ["Deployment", "ProcessSet", "RpcDeployer"]
 
 @dataclass
 class Deployment:
-    model: str
     workers: list[Worker]
     plan: SplitPlan
     missing: tuple[str, ...] = ()  # configured workers left out (unreachable at deploy time)
@@ -57,7 +56,7 @@ class Deployment:
                 watch.cancel()
 
     async def release(self) -> None:
-        await asyncio.gather(*(w.release() for w in self.workers), return_exceptions=True)
+        await _release_all(self.workers)
 
     def kill_now(self) -> None:
         for w in self.workers:
@@ -141,8 +140,6 @@ class RpcDeployer:
         facts = await asyncio.to_thread(model_facts, spec.model_path)
         binary = rpc_server_binary(spec.binary)
         version = await asyncio.to_thread(rpc_version, binary)
-        workers: list[Worker] = []
-        missing: list[str] = []
         free_now = self._device_free()
         gpus = sorted(d for d in free_now if d != "cpu")
         local_cpu = sum(1 for i, w in enumerate(spec.rpc_workers) if w == "local"
@@ -166,46 +163,24 @@ class RpcDeployer:
                             error=str(exc) or type(exc).__name__)
                 return None
 
-        # All at once: the workers start in parallel, in their configured order.
-        starts = [asyncio.ensure_future(start(i, e)) for i, e in enumerate(spec.rpc_workers)]
+        workers, missing = await _start_all(
+            [start(i, e) for i, e in enumerate(spec.rpc_workers)], spec.rpc_workers)
         try:
+            if spec.rpc_split is not None and missing:
+                raise RpcError(f"{spec.name}: the explicit split needs every worker; "
+                               f"unreachable: {', '.join(missing)}")
+            need = layer_need(facts, spec.ctx, spec.parallel, spec.cache_type_k,
+                              spec.cache_type_v)
             try:
-                await asyncio.wait(starts)
-            except asyncio.CancelledError:
-                for task in starts:
-                    task.cancel()
-                await asyncio.shield(asyncio.wait(starts))
-                raise
-            finally:
-                for task, entry in zip(starts, spec.rpc_workers, strict=True):
-                    if task.done() and not task.cancelled() and task.exception() is None:
-                        found = task.result()
-                        if found is None:
-                            missing.append(entry)
-                        else:
-                            workers.append(found)
-            for task in starts:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            weights = None
-            if spec.rpc_split is not None:
-                if missing:
-                    raise RpcError(f"{spec.name}: the explicit split needs every worker; "
-                                   f"unreachable: {', '.join(missing)}")
-                weights = list(spec.rpc_split)
-            try:
-                plan = plan_split(facts.n_layer, layer_need(facts, spec.ctx, spec.parallel,
-                                                            spec.cache_type_k,
-                                                            spec.cache_type_v),
-                                  [w.free for w in workers], weights)
+                plan = plan_split(facts.n_layer, need, [w.free for w in workers],
+                                  list(spec.rpc_split) if spec.rpc_split else None)
             except NoFit as exc:
                 lost = f" without {', '.join(missing)} (unreachable)" if missing else ""
                 raise RpcError(f"{spec.name} does not fit its workers{lost}: {exc}") from exc
         except BaseException:
-            await asyncio.shield(asyncio.gather(*(w.release() for w in workers),
-                                                return_exceptions=True))
+            await _release_all(workers)
             raise
-        deployment = Deployment(spec.name, workers, plan, tuple(missing))
+        deployment = Deployment(workers, plan, tuple(missing))
         log.info("rpc.deployed", model=spec.name, workers=deployment.describe(),
                  missing=list(missing))
         return deployment
@@ -255,3 +230,31 @@ class RpcDeployer:
             raise RpcError(f"peer {peer_name} runs RPC protocol v{body.get('rpc_version')}, "
                            f"this head v{version}: install the same llama.cpp build on both")
         return worker
+
+
+async def _start_all(starts: Sequence[Coroutine[Any, Any, Worker | None]],
+                     entries: Sequence[str]) -> tuple[list[Worker], list[str]]:
+    """Run every start at once; (the workers started, in order; the entries that answered
+    None, i.e. unreachable). On a failure or a cancellation none is left running."""
+    tasks = [asyncio.ensure_future(start) for start in starts]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        await asyncio.shield(asyncio.wait(tasks))
+        await _release_all([w for t in tasks if not t.cancelled() and t.exception() is None
+                            and (w := t.result()) is not None])
+        raise
+    failures = [t.exception() for t in tasks if t.exception() is not None]
+    workers = [w for t in tasks if t.exception() is None and (w := t.result()) is not None]
+    if failures:
+        await _release_all(workers)
+        raise failures[0]  # type: ignore[misc]
+    missing = [e for t, e in zip(tasks, entries, strict=True) if t.result() is None]
+    return workers, missing
+
+
+async def _release_all(workers: Sequence[Worker]) -> None:
+    await asyncio.shield(asyncio.gather(*(w.release() for w in workers),
+                                        return_exceptions=True))
