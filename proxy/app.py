@@ -11,7 +11,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import admin, peer, request_id
+from corral.proxy import admin, events, peer, progress, request_id
+from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -33,6 +34,7 @@ from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
 log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
+ACCOUNTING: web.AppKey[Accounting] = web.AppKey("accounting", Accounting)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
@@ -48,18 +50,21 @@ RELAYED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 def create_app(daemon: Daemon) -> web.Application:
     cfg = daemon.loaded.config
+    accounting = Accounting(daemon)
     app = web.Application(
         client_max_size=int(cfg.max_body_mb * 1024 * 1024),
         # Bodies arrive as sent: a Content-Encoding aiohttp cannot decode (br without Brotli)
         # would otherwise be refused below the middlewares, in plain text. read_json_body
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
-        middlewares=[_request_id_middleware, _errors_middleware,
+        middlewares=[_request_id_middleware, accounting.middleware(), _errors_middleware,
                      _auth_middleware(daemon)],
     )
     app[DAEMON] = daemon
+    app[ACCOUNTING] = accounting
     app.on_response_prepare.append(_send_request_id)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", accounting.metrics.handler)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     for path in RELAYED:
@@ -67,6 +72,7 @@ def create_app(daemon: Daemon) -> web.Application:
     app.router.add_post("/v1/batch/execute", batch)
     app.router.add_post("/v1/chain/execute", chain)
     admin.add_routes(app, DAEMON)
+    events.add_routes(app, DAEMON, ACCOUNTING)
     if daemon.lender is not None:
         peer.add_routes(app, DAEMON)
     app.cleanup_ctx.append(_upstream_session)
@@ -251,8 +257,11 @@ def requested_model(body: dict[str, Any]) -> str:
 
 async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
+    record = request[RECORD]
     raw, body = await read_json_body(request)
     name = requested_model(body)
+    record.model = name
+    record.stream = body.get("stream") is True
     target = resolve(daemon, name)
     if isinstance(target, GroupTarget):
         if request.path != "/v1/chat/completions":
@@ -263,17 +272,43 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     check_fields(body)
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
-    canonical = target.name
-    if request.path == "/v1/embeddings" and not daemon.instances[canonical].spec.embeddings:
+    canonical = record.model = target.name
+    spec = daemon.instances[canonical].spec
+    if request.path == "/v1/embeddings" and not spec.embeddings:
         # Refused here, before anything starts: llama-server would answer 501 only after
         # loading the model.
         raise ApiError(400, f"{canonical!r} does not serve embeddings; set `embeddings: true` "
                             f"on it in the config", "embeddings_disabled", param="model")
     raw = upstream_body(raw, body, canonical)
+    was_ready = daemon.ready_now(canonical)
+    if not was_ready and progress.wanted(request, body, spec.loading_progress):
+        return await _relay_after_progress(request, canonical, raw)
     async with leased(daemon, canonical) as lease:
+        record.leased(lease, was_ready)
         response = await relay(request, request.app[UPSTREAM], lease.base_url + request.path,
-                               raw, canonical, lease)
+                               raw, canonical, lease, record)
     return _documented(response, canonical)
+
+
+async def _relay_after_progress(request: web.Request, model: str,
+                                raw: bytes) -> web.StreamResponse:
+    """A streamed chat request for a cold model, opted in to loading progress: the stream
+    opens now with the load's progress, and the answer follows in it. Failures after that
+    are error events in the stream (the status line is gone)."""
+    daemon, record = request.app[DAEMON], request[RECORD]
+    stream = progress.ProgressStream(request, model)
+    response = await stream.open()
+    try:
+        async with leased(daemon, model, stream.acquire(daemon)) as lease:
+            record.leased(lease, was_ready=False)
+            return await relay(request, request.app[UPSTREAM], lease.base_url + request.path,
+                               raw, model, lease, record, started=response)
+    except (SupervisorError, UpstreamFailed) as exc:
+        shape = shape_of(exc)
+        record.error_status = shape.status
+        log.warning("proxy.request_failed", status=shape.status, code=shape.code,
+                    error=str(exc), after="loading progress")
+        return await stream.fail(str(exc), shape.code)
 
 
 def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:

@@ -11,7 +11,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
-from corral.proxy.sse import error_event, sse_headers
+from corral.proxy.sse import DONE, error_event, sse_headers
+from corral.proxy.timing import RequestRecord
 from corral.supervisor.instance import Lease
 
 log = structlog.get_logger("corral.proxy")
@@ -114,23 +115,37 @@ def _broken(model: str, exc: BaseException, what: str) -> UpstreamFailed:
 
 
 async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
-                body: bytes, model: str, lease: Lease | None = None) -> web.StreamResponse:
+                body: bytes, model: str, lease: Lease | None = None,
+                record: RequestRecord | None = None,
+                started: web.StreamResponse | None = None) -> web.StreamResponse:
     """POST `body` to `url` and relay the answer. Raises UpstreamFailed before any byte of the
-    answer was sent; after that, a broken child ends the stream with an SSE error event."""
+    answer was sent; after that, a broken child ends the stream with an SSE error event.
+    `record` takes the timings and token counts; `started`: an event stream already sent to
+    the client (loading progress), which the child's stream continues."""
     upstream = await open_upstream(session, url, model, lease, data=body, headers={
         "Content-Type": "application/json",
         "Accept": request.headers.get("Accept", "*/*"),
     })
+    if record is not None:
+        record.head()
     try:
         if upstream.content_type == "text/event-stream":
-            response = await _relay_stream(request, upstream, model)
+            response = await _relay_stream(request, upstream, model, record, started)
         else:
             try:
                 payload = await upstream.read()
             except UPSTREAM_BROKE as exc:
                 raise _broken(model, exc, "while answering") from exc
-            response = web.Response(status=upstream.status, body=payload,
-                                    headers=_response_headers(upstream))
+            if record is not None:
+                record.first_bytes()
+                record.read_usage(payload)
+            if started is not None:
+                response = await _end_with_answer(started, upstream.status, payload, model)
+            else:
+                response = web.Response(status=upstream.status, body=payload,
+                                        headers=_response_headers(upstream))
+                if record is not None:
+                    response.headers["Server-Timing"] = record.server_timing()
     except BaseException:
         # Cancelled (client gone) or broken: drop the upstream connection so the child
         # sees the hang-up and frees its slot, instead of returning it to the pool.
@@ -140,12 +155,31 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
     return response
 
 
+async def _end_with_answer(started: web.StreamResponse, status: int, payload: bytes,
+                           model: str) -> web.StreamResponse:
+    """The child answered a stream already under way with a whole body (an error): said in
+    the stream, as an error event."""
+    message = payload[:300].decode(errors="replace")
+    await started.write(error_event(f"{model} answered HTTP {status}: {message}",
+                                    code="upstream_error"))
+    await started.write(DONE)
+    await started.write_eof()
+    return started
+
+
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
-                        model: str) -> web.StreamResponse:
-    headers = _response_headers(upstream)
-    headers.update(sse_headers())
-    response = web.StreamResponse(status=upstream.status, headers=headers)
-    await response.prepare(request)
+                        model: str, record: RequestRecord | None,
+                        started: web.StreamResponse | None) -> web.StreamResponse:
+    if started is not None:
+        response = started
+    else:
+        headers = _response_headers(upstream)
+        headers.update(sse_headers())
+        if record is not None:
+            headers["Server-Timing"] = record.server_timing()
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+    tail = record.tail if record is not None else None
     chunks = upstream.content.iter_any().__aiter__()
     while True:
         # Only the read from the child is the child's fault; a failed write to the client
@@ -161,8 +195,14 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             upstream.close()  # the child must see the hang-up (and drop the generation)
             await response.write(error_event(str(failure), code=code))
             break
+        if tail is not None:
+            if not tail and record is not None:
+                record.first_bytes()
+            tail.append(chunk)  # the last few only: the usage is in the last event
         await response.write(chunk)
     await response.write_eof()
+    if record is not None:
+        record.read_stream_tail()
     return response
 
 

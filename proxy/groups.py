@@ -233,7 +233,11 @@ class GroupRunner:
             else:
                 responses = await self._concurrent(group, body, held)
         outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
-        self._enforce_fallback(outcome)
+        try:
+            self._enforce_fallback(outcome)
+        except GroupFailed:
+            self._publish(outcome, "failed")
+            raise
         if group.type == "fan_out":
             outcome.selected = await self._select(group, body, outcome)
         elif group.type == "consensus":
@@ -247,7 +251,17 @@ class GroupRunner:
         outcome.wall_ms = (time.monotonic() - started) * 1000
         log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
                  members=len(responses), wall_ms=round(outcome.wall_ms, 1))
+        self._publish(outcome, "ok" if outcome.ok_count == len(responses) else "partial")
         return outcome
+
+    def _publish(self, outcome: GroupOutcome, result: str) -> None:
+        group = outcome.group
+        self.daemon.events.publish(
+            "group", group=group.name, type=group.type, result=result,
+            wall_ms=round(outcome.wall_ms, 1),
+            members=[{"model": r.model, "status": r.status, "latency_ms": round(r.latency_ms, 1),
+                      **({"error": r.error[:300]} if r.error else {})}
+                     for r in outcome.responses])
 
     async def _concurrent(self, group: GroupSpec, body: dict[str, Any],
                           held: Reservation) -> list[MemberResult]:

@@ -25,6 +25,17 @@ def frame(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def named(event_id: int, kind: str, payload: Mapping[str, Any]) -> bytes:
+    """An event with an id (a reconnecting EventSource sends it back as Last-Event-ID) and a
+    type (what EventSource.addEventListener listens to)."""
+    return (f"id: {event_id}\nevent: {kind}\ndata: ".encode() + json.dumps(payload).encode()
+            + b"\n\n")
+
+
+# A comment line: keeps proxies and browsers from timing out a quiet stream.
+KEEPALIVE = b": keep-alive\n\n"
+
+
 def error_event(message: str, code: str = "upstream_failed") -> bytes:
     """An error delivered inside an already-started stream (the status line is gone). The
     OpenAI SDKs raise APIError on an event carrying an `error` object. Same shape as the

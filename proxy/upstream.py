@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import structlog
 
@@ -16,15 +16,17 @@ log = structlog.get_logger("corral.proxy")
 
 
 @contextlib.asynccontextmanager
-async def leased(daemon: Daemon, model: str) -> AsyncIterator[Lease]:
-    """A lease on `model` for the block, released however the block ends.
+async def leased(daemon: Daemon, model: str,
+                 acquire: Awaitable[Lease] | None = None) -> AsyncIterator[Lease]:
+    """A lease on `model` for the block, released however the block ends. `acquire`: how the
+    lease is got, when not plainly (daemon.acquire with loading progress around it).
 
     UpstreamFailed raised in the block is the child's doing: unless the child answered (an
     HTTP error from a live child), it is checked at once, so a dead one is marked failed and
     the next request starts a fresh one instead of leasing a dead port. Anything else (a
     client that hung up, a cancellation) says nothing about the child."""
     try:
-        lease = await daemon.acquire(model)
+        lease = await (acquire if acquire is not None else daemon.acquire(model))
     except StartFailed as exc:
         # The child's last lines go to the daemon log, under this request's id; the client
         # gets the message only (and the admin API keeps the lines).

@@ -50,6 +50,10 @@ class Defaults(_Strict):
     start_backoff_max: float = Field(60, ge=0, description="cap of that back-off")
     kv_cache: KvCacheConfig | None = Field(
         None, description="KV cache mode for every model (default: cache_type_k/v as set)")
+    loading_progress: bool = Field(
+        False, description="a streamed chat request that waits for a cold model gets the load's "
+        "progress first, as reasoning_content (what Open WebUI shows as thinking); a request "
+        "asks for it itself with the header X-Corral-Progress: 1")
 
 
 class PolicyConfig(_Strict):
@@ -123,6 +127,7 @@ class ModelConfig(_Strict):
     start_backoff: float | None = Field(None, ge=0)
     start_backoff_max: float | None = Field(None, ge=0)
     embeddings: bool = False
+    loading_progress: bool | None = None
     mmproj: str | None = Field(None, description="multimodal projector; relative like model")
     # vLLM only (backend: vllm); config_backends says which keys belong to which backend.
     command: list[str] | None = Field(

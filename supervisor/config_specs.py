@@ -44,6 +44,7 @@ class ModelSpec:
     start_backoff: float = _DEFAULTS.start_backoff
     start_backoff_max: float = _DEFAULTS.start_backoff_max
     embeddings: bool = False
+    loading_progress: bool = False
     mmproj: Path | None = None
     replicas_min: int = 1
     replicas_max: int = 1

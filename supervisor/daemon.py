@@ -36,6 +36,7 @@ from corral.supervisor.errors import (
     SupervisorError,
     UnknownModel,
 )
+from corral.supervisor.events import EventBus
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
@@ -55,6 +56,8 @@ class Daemon:
     def __init__(self, loaded: LoadedConfig, state_file: Path,
                  config_loader: Callable[[], LoadedConfig] | None = None):
         self.loaded = loaded
+        # What happens here, for /admin/events, metrics and the service manager.
+        self.events = EventBus()
         # Kills the children's process groups if this daemon dies without stopping them.
         self._keeper = GroupKeeper()
         self._session: aiohttp.ClientSession | None = None
@@ -108,7 +111,7 @@ class Daemon:
 
     def _new_instance(self, spec: ModelSpec, backend: Backend, replica: int = 1) -> Instance:
         return Instance(spec, backend, self._on_instance_change, replica=replica,
-                        keeper=self._keeper, deployer=self.deployer)
+                        keeper=self._keeper, deployer=self.deployer, events=self.events)
 
     def _device_free(self) -> dict[str, int]:
         return self.memory.device_free()
@@ -147,6 +150,7 @@ class Daemon:
     async def close(self, grace: float) -> None:
         """Stop taking work, let in-flight requests finish (bounded), stop every child."""
         self._closing = True
+        self.events.publish("stopping", in_flight=sum(i.in_flight for i in self._everyone()))
         self._changed.fire()
         deadline = time.monotonic() + grace
         while any(i.in_flight for i in self._everyone()):
@@ -163,7 +167,7 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         # Stops are never cancelled: each ends with its process group gone.
-        await asyncio.gather(*(i.stop("daemon shutdown") for i in self._everyone()
+        await asyncio.gather(*(i.stop("daemon shutdown", cause="shutdown") for i in self._everyone()
                                if i.state is not State.STOPPED), return_exceptions=True)
         if self.lender is not None:
             await self.lender.close()
@@ -171,6 +175,8 @@ class Daemon:
         self._keeper.close()
         if self._session:
             await self._session.close()
+        self.events.publish("stopped")
+        self.events.close()
         log.info("daemon.stopped")
 
     @property
@@ -194,6 +200,11 @@ class Daemon:
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [r.describe(now) for i in self.instances.values() for r in self.members(i)]
+
+    def ready_now(self, name: str) -> bool:
+        """Whether a request for `name` would find a ready child (of any replica) now."""
+        inst = self.instances.get(name)
+        return inst is not None and any(r.state is State.READY for r in self.members(inst))
 
     def members(self, inst: Instance) -> list[Instance]:
         """A model's replicas, the instance named like it first."""
@@ -415,7 +426,7 @@ class Daemon:
             return None, placement
         victim = self._loaded_member(placement.evict) if placement.evict else None
         if victim is not None and victim.state is State.READY:
-            victim.begin_stop(f"evicted (least recently used) to start {inst.name}")
+            victim.begin_stop(f"evicted (least recently used) to start {inst.name}", cause="lru")
             return victim, placement
         return None, placement
 
@@ -480,7 +491,8 @@ class Daemon:
         inst = self.instance(name)
         drain = 0.0 if force else self.loaded.config.shutdown_grace
         reason = "unloaded by admin" + (" (forced)" if force else "")
-        await asyncio.gather(*(r.stop(reason, drain=drain) for r in self.members(inst)))
+        await asyncio.gather(*(r.stop(reason, drain=drain, cause="unload")
+                               for r in self.members(inst)))
         return inst
 
     async def rebalance(self, name: str) -> Instance:
@@ -489,7 +501,7 @@ class Daemon:
         inst = self.instance(name)
         if not inst.spec.rpc_workers:
             raise NotServed(f"{name} is not split over RPC workers: nothing to rebalance")
-        await inst.stop("rebalance", drain=self.loaded.config.shutdown_grace)
+        await inst.stop("rebalance", drain=self.loaded.config.shutdown_grace, cause="rebalance")
         return await self.load(name)
 
     async def gguf_info(self, name: str) -> dict[str, Any]:
@@ -636,12 +648,13 @@ class Daemon:
                                        kv.type_v or spec.cache_type_v) if kv else
                                 (spec.cache_type_k, spec.cache_type_v))
 
-    def _begin_start(self, inst: Instance, snap: policy.Snapshot, view_name: str) -> None:
+    def _begin_start(self, inst: Instance, snap: policy.Snapshot, view_name: str,
+                     reason: str = "demand") -> None:
         """Start `inst` with the KV types the strategy picks for it; it counts at its
         estimate until measured."""
         kv = self._decide("kv_cache", None, snap, view_name)
         inst.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None,
-                         tune=self._tune)
+                         tune=self._tune, reason=reason)
         self.memory.started(inst)
 
     def _tune(self, spec: ModelSpec) -> ModelSpec:
@@ -704,7 +717,7 @@ class Daemon:
             if inst is None or inst.state is not State.READY or inst.busy:
                 continue  # a strategy may only expire what is idle
             log.info("daemon.ttl_expired", model=name, pid=inst.pid, ttl=inst.spec.ttl)
-            inst.begin_stop(f"idle for {inst.spec.ttl:g}s (ttl)")
+            inst.begin_stop(f"idle for {inst.spec.ttl:g}s (ttl)", cause="ttl")
         self._keep_up(snap)
         wait: float | None = self._decide("next_expiry", 1.0, snap)
         return wait
@@ -755,7 +768,7 @@ class Daemon:
                     continue  # a strategy may only evict what is idle and not kept
                 log.info("daemon.memory_evict", model=inst.name, pid=inst.pid,
                          reason=relief.reason)
-                inst.begin_stop(f"evicted: {relief.reason}")
+                inst.begin_stop(f"evicted: {relief.reason}", cause="memory")
             elif relief.action in ("kv_down", "kv_up"):
                 view = snap.view(relief.model)
                 model = view.model if view is not None and view.model else relief.model
@@ -794,7 +807,7 @@ class Daemon:
         why = f"KV cache {direction} to {'/'.join(ladder[level])}: {reason}"
         stops = []
         for replica in self.members(inst):
-            stop = replica.begin_stop(why, drain=drain) \
+            stop = replica.begin_stop(why, drain=drain, cause="kv") \
                 if replica.state in LOADED_STATES else None
             if stop is not None:
                 stops.append(stop)
@@ -895,7 +908,8 @@ class Daemon:
         extra = self.replicas.get(inst.name, [])
         want = inst.spec.replicas_max - 1
         for replica in extra[want:]:
-            stop = replica.begin_stop("replicas lowered by a reload", drain=drain)
+            stop = replica.begin_stop("replicas lowered by a reload", drain=drain,
+                                      cause="scale_down")
             if stop is not None and not stop.done():
                 self._retire(replica, stop)
         extra = extra[:want]
@@ -943,6 +957,7 @@ class Daemon:
     async def _reload(self, trigger: str) -> reloading.ReloadAttempt:
         async with self._reload_lock:
             started = time.monotonic()
+            self.events.publish("reloading", trigger=trigger)
             try:
                 # In a thread: parsing a large config must not stall the streams being relayed.
                 new = await asyncio.to_thread(self._config_loader)
@@ -979,6 +994,9 @@ class Daemon:
     def _note_reload(self, attempt: reloading.ReloadAttempt) -> reloading.ReloadAttempt:
         self.last_reload = attempt
         self._recent_reloads.append(attempt)
+        self.events.publish("reload", trigger=attempt.trigger, ok=attempt.ok,
+                            ms=attempt.duration_ms, changes=attempt.changes,
+                            issues=[str(i) for i in attempt.issues])
         if attempt.ok:
             log.info("daemon.reload", trigger=attempt.trigger, hash=attempt.digest[:12],
                      ms=attempt.duration_ms, **(attempt.changes or {}))
@@ -1017,7 +1035,7 @@ class Daemon:
         for change in plan.replace:
             superseded = self._incoming.pop(change.name, None)
             if superseded is not None:  # a newer change overtakes a switch-over under way
-                superseded.begin_stop("superseded by a newer config change")
+                superseded.begin_stop("superseded by a newer config change", cause="reload")
             inst = self.instances[change.name]
             if self._begin_switch_over(inst, change, backends[change.name], drain):
                 continue
@@ -1031,7 +1049,7 @@ class Daemon:
                     # Leaves READY now: new requests wait in acquire() for the restart;
                     # in-flight ones get `shutdown_grace` to finish.
                     stop = replica.begin_stop("config changed: " + ", ".join(change.fields),
-                                              drain=drain)
+                                              drain=drain, cause="reload")
                     if stop is not None:
                         stops.append(stop)
             # Up before, up after; and a pinned model is kept up (its old settings may be
@@ -1041,10 +1059,11 @@ class Daemon:
         for name in plan.remove:
             incoming = self._incoming.pop(name, None)
             if incoming is not None:
-                incoming.begin_stop("removed from the config")
+                incoming.begin_stop("removed from the config", cause="reload")
             inst = self.instances.pop(name)
             for replica in [inst, *self.replicas.pop(name, [])]:
-                stop = replica.begin_stop("removed from the config", drain=drain)
+                stop = replica.begin_stop("removed from the config", drain=drain,
+                                          cause="reload")
                 if stop is not None and not stop.done():
                     self._retire(replica, stop)
         for change in plan.add:
@@ -1059,7 +1078,7 @@ class Daemon:
                     if replica.state in (State.STARTING, State.READY):
                         replica.begin_stop(
                             f"not served under strategy {new.config.policy.strategy}",
-                            drain=drain)
+                            drain=drain, cause="reload")
         for name in plan.pinned:
             if self.instances[name].state in (State.STOPPED, State.FAILED) \
                     and name not in self._restarting:
@@ -1084,7 +1103,8 @@ class Daemon:
             del self._incoming[old.name]
             return False
         fresh.pinned = old.pinned
-        self._begin_start(fresh, snap, f"{old.name} (new)")
+        self._begin_start(fresh, snap, f"{old.name} (new)",
+                          reason="switch-over: " + ", ".join(change.fields))
         log.info("daemon.switch_over_started", model=old.name, old_pid=old.pid,
                  fields=list(change.fields))
         self._spawn_task(self._switch_over(old, fresh, change, drain))
@@ -1103,7 +1123,7 @@ class Daemon:
                 return  # superseded or removed: whoever did that took over
             del self._incoming[name]
             self._kv_restart.discard(name)
-            fresh.begin_stop("its switch-over failed")
+            fresh.begin_stop("its switch-over failed", cause="reload")
             log.warning("daemon.switch_over_failed", model=name, error=str(exc),
                         old_pid=old.pid, note="the previous child keeps serving")
             if self.instances.get(name) is old:
@@ -1115,7 +1135,7 @@ class Daemon:
             return
         if self._incoming.get(name) is not fresh or self.instances.get(name) is not old \
                 or self._closing:
-            fresh.begin_stop("superseded before it was switched in")
+            fresh.begin_stop("superseded before it was switched in", cause="reload")
             if self._incoming.get(name) is fresh:
                 del self._incoming[name]
             self._kv_restart.discard(name)
@@ -1126,7 +1146,7 @@ class Daemon:
         fresh.pinned = old.pinned
         self.instances[name] = fresh
         stop = old.begin_stop("replaced by its new child (config changed: "
-                              + ", ".join(change.fields) + ")", drain=drain)
+                              + ", ".join(change.fields) + ")", drain=drain, cause="reload")
         old.wake_waiters()  # requests queued on the old child go to the new one
         if stop is not None and not stop.done():
             self._retire(old, stop)

