@@ -11,7 +11,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import admin, events, peer, progress, request_id
+from corral.proxy import admin, events, filters, peer, progress, request_id
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.errors import (
     ApiError,
@@ -279,7 +279,9 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         # loading the model.
         raise ApiError(400, f"{canonical!r} does not serve embeddings; set `embeddings: true` "
                             f"on it in the config", "embeddings_disabled", param="model")
-    raw = upstream_body(raw, body, canonical)
+    filtered = filters.apply(body, spec.request, request.path)
+    raw = upstream_body(raw, filtered, canonical, changed=filtered is not body)
+    body = filtered
     was_ready = daemon.ready_now(canonical)
     if not was_ready and progress.wanted(request, body, spec.loading_progress):
         return await _relay_after_progress(request, canonical, raw)

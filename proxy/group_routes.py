@@ -201,7 +201,7 @@ async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
     group = outcome.group
     model = group.synthesizer
     assert model
-    payload = {**runner.synthesis_body(group, body, outcome), "model": model, "stream": True}
+    payload = runner.body_for(model, runner.synthesis_body(group, body, outcome), stream=True)
     text: list[str] = []
     try:
         # member_timeout bounds the wait for its first byte (its start included), not the

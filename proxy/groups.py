@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from corral.proxy import filters
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
 from corral.proxy.upstream import leased
@@ -161,6 +162,12 @@ class GroupRunner:
 
     # -- one member ----------------------------------------------------------------------------
 
+    def body_for(self, model: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
+        """What `model` gets: the group's body under the model's own request filters."""
+        inst = self.daemon.instances.get(model)
+        filtered = filters.apply({**body, "model": model}, inst.spec.request if inst else None)
+        return {**filtered, "stream": stream}
+
     async def call(self, model: str, body: dict[str, Any], timeout: float) -> MemberResult:
         """One attempt: acquire, ask, release. A timeout cancels the upstream request too."""
         started = time.monotonic()
@@ -173,7 +180,7 @@ class GroupRunner:
         try:
             async with asyncio.timeout(timeout), leased(self.daemon, model) as lease:
                 data = await post_json(self.session, lease.base_url + CHAT_PATH,
-                                       {**body, "model": model, "stream": False}, model, lease)
+                                       self.body_for(model, body, stream=False), model, lease)
         except TimeoutError:
             return result("timeout", error=f"no answer within {timeout:g}s (cancelled)")
         except (SupervisorError, UpstreamFailed) as exc:

@@ -22,10 +22,12 @@ class GroupTarget:
     group: GroupSpec
 
 
-def upstream_body(raw: bytes, body: dict[str, Any], canonical: str) -> bytes:
-    """The body to send the child: the client's bytes untouched, unless the client named the
-    model by an alias, which becomes the model's name (servers like vLLM only know that)."""
-    if body.get("model") == canonical:
+def upstream_body(raw: bytes, body: dict[str, Any], canonical: str,
+                  changed: bool = False) -> bytes:
+    """The body to send the child: the client's bytes untouched, unless filters `changed` the
+    body or the client named the model by an alias, which becomes the model's name (servers
+    like vLLM only know that)."""
+    if body.get("model") == canonical and not changed:
         return raw
     return json.dumps({**body, "model": canonical}).encode()
 

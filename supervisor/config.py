@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from corral.supervisor import demo
 from corral.supervisor.config_backends import check_backends
 from corral.supervisor.config_memory import KvCacheConfig, MemoryConfig, ladder_step
 from corral.supervisor.config_policy import resolve_groups, resolve_strategy
@@ -120,8 +121,13 @@ def _validated(doc: Document, source: Path | None) -> LoadedConfig:
 
 
 def default_config(models_dir: Path) -> LoadedConfig:
-    """The embedded default: every *.gguf in models_dir, on demand, under the default policy."""
-    return resolve(Config(models_dir=str(models_dir)), Path.cwd(), None, {})
+    """The embedded default: every *.gguf in models_dir, on demand, under the default policy;
+    the demo model, when there, with the request profile that makes it answer well."""
+    models = {}
+    demo_path = models_dir / demo.FILE
+    if demo_path.is_file():
+        models[demo.NAME] = ModelConfig(model=str(demo_path.resolve()), request=demo.REQUEST)
+    return resolve(Config(models_dir=str(models_dir), models=models), Path.cwd(), None, {})
 
 
 def _inherit(value: T | None, default: T) -> T:
@@ -193,6 +199,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
             embeddings=m.embeddings,
             loading_progress=_inherit(m.loading_progress, d.loading_progress),
+            request=m.request or d.request,
             mmproj=_absolute(m.mmproj, base_of(("models", name, "mmproj"))) if m.mmproj else None,
             replicas_min=replicas.min,
             replicas_max=replicas.max,

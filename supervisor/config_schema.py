@@ -10,10 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config_memory import KvCacheConfig, MemoryConfig
+from corral.supervisor.config_request import RequestFilters
 from corral.supervisor.config_rpc import PeerConfig, RpcConfig, WorkerConfig
 
 __all__ = ["BackendKind", "Config", "Defaults", "GroupConfig", "ModelConfig", "PolicyConfig",
-           "ReplicasConfig", "split_listen"]
+           "ReplicasConfig", "RequestFilters", "split_listen"]
 
 # Checked against what the binary accepts (its --help), when the config is resolved.
 KvCacheType = str
@@ -50,6 +51,8 @@ class Defaults(_Strict):
     start_backoff_max: float = Field(60, ge=0, description="cap of that back-off")
     kv_cache: KvCacheConfig | None = Field(
         None, description="KV cache mode for every model (default: cache_type_k/v as set)")
+    request: RequestFilters | None = Field(
+        None, description="request filters for every model that sets none of its own")
     loading_progress: bool = Field(
         False, description="a streamed chat request that waits for a cold model gets the load's "
         "progress first, as reasoning_content (what Open WebUI shows as thinking); a request "
@@ -128,6 +131,9 @@ class ModelConfig(_Strict):
     start_backoff_max: float | None = Field(None, ge=0)
     embeddings: bool = False
     loading_progress: bool | None = None
+    request: RequestFilters | None = Field(
+        None, description="request defaults, overrides, stripped fields and a default system "
+        "prompt (default: defaults.request)")
     mmproj: str | None = Field(None, description="multimodal projector; relative like model")
     # vLLM only (backend: vllm); config_backends says which keys belong to which backend.
     command: list[str] | None = Field(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.supervisor.config_request import RequestFilters
 from corral.supervisor.config_schema import BackendKind, Defaults, Fallback, GroupType, Selector
 
 __all__ = ["GroupSpec", "ModelSpec"]
@@ -45,6 +46,7 @@ class ModelSpec:
     start_backoff_max: float = _DEFAULTS.start_backoff_max
     embeddings: bool = False
     loading_progress: bool = False
+    request: RequestFilters | None = None  # applied by the proxy to every request's body
     mmproj: Path | None = None
     replicas_min: int = 1
     replicas_max: int = 1
