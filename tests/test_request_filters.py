@@ -1,8 +1,9 @@
 """Request filters (`request: {defaults, set, strip, system_prompt}`), observed through the
 child: the tiny models' vocabulary is one token per byte and their chat template writes
 "role: content\\n" per message, so a system prompt the child received shows as exactly its
-bytes more prompt tokens (a space being "▁", 3 bytes); max_tokens shows as completion tokens; logprobs as logprobs. And the
-embedded default: README's own curl body, as printed, answers "Paris" from the demo model."""
+bytes more prompt tokens (a space being "▁", 3 bytes), and max_tokens as completion tokens.
+And the embedded default: README's own curl body, as printed, answers "Paris" from the demo
+model."""
 
 from __future__ import annotations
 
