@@ -225,48 +225,67 @@ def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
 
 async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
                loader: Callable[[], LoadedConfig], watch: bool) -> int:
+    import faulthandler
+
     from aiohttp import web
 
     from corral.proxy.app import create_app
     from corral.supervisor.config_watch import watch_config
     from corral.supervisor.daemon import Daemon
+    from corral.supervisor.sdnotify import ServiceNotifier
 
     daemon = Daemon(loaded, state_file, config_loader=loader)
     await daemon.start()
-    loop = asyncio.get_running_loop()
-    # systemd's ExecReload sends SIGHUP. The reload is the daemon's task; the result goes to
-    # its log and GET /admin/config.
-    loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
-    runner = web.AppRunner(create_app(daemon), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=loaded.config.shutdown_grace)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    # Under systemd (Type=notify): READY=1 once listening, below; RELOADING=1, STOPPING=1 and
+    # STATUS= from the daemon's events; WATCHDOG=1 from this loop. Elsewhere it does nothing.
+    notifier = ServiceNotifier(daemon.describe)
+    daemon.events.listen(notifier.on_event)
+    if notifier.watchdog_interval is not None:
+        # The watchdog ends a stuck loop with SIGABRT: the journal then shows where it stuck.
+        faulthandler.enable()
+    # The pings go on through the drain; systemd stops watching once the stop has begun.
+    pings = asyncio.create_task(notifier.run(), name="sdnotify")
     try:
-        await site.start()
-    except OSError as exc:
-        log.error("corral.listen_failed", listen=f"{host}:{port}", error=str(exc))
-        await daemon.close(0)
-        await runner.cleanup()
-        return 1
-    log.info("corral.listening", url=f"http://{host}:{port}", models=sorted(daemon.instances))
+        loop = asyncio.get_running_loop()
+        # systemd's ExecReload sends SIGHUP. The reload is the daemon's task; the result goes
+        # to its log and GET /admin/config.
+        loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
+        runner = web.AppRunner(create_app(daemon), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=loaded.config.shutdown_grace)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("corral.listen_failed", listen=f"{host}:{port}", error=str(exc))
+            await daemon.close(0)
+            await runner.cleanup()
+            return 1
+        log.info("corral.listening", url=f"http://{host}:{port}",
+                 models=sorted(daemon.instances))
+        notifier.ready()
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(watch_config(daemon, stop), name="config-watch") \
-        if watch else None
-    await stop.wait()
-    loop.remove_signal_handler(signal.SIGHUP)
-    if watcher is not None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.wait([watcher]), 2)  # `stop` ends it
-        watcher.cancel()
-    grace = daemon.loaded.config.shutdown_grace  # the reloaded value, if any
-    log.info("corral.shutting_down", grace=grace)
-    await site.stop()  # no new connections; open ones finish under the daemon's grace
-    await daemon.close(grace)
-    await runner.cleanup()
-    return 0
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watcher = asyncio.create_task(watch_config(daemon, stop), name="config-watch") \
+            if watch else None
+        await stop.wait()
+        loop.remove_signal_handler(signal.SIGHUP)
+        if watcher is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wait([watcher]), 2)  # `stop` ends it
+            watcher.cancel()
+        grace = daemon.loaded.config.shutdown_grace  # the reloaded value, if any
+        log.info("corral.shutting_down", grace=grace)
+        await site.stop()  # no new connections; open ones finish under the daemon's grace
+        await daemon.close(grace)  # publishes "stopping": STOPPING=1
+        await runner.cleanup()
+        return 0
+    finally:
+        pings.cancel()
+        await asyncio.wait([pings])
+        notifier.close()
 
 
 if __name__ == "__main__":
