@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from corral.proxy.capabilities import NEEDS
 from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.daemon import Daemon
@@ -68,8 +69,10 @@ class Accounting:
         return [r.as_dict() for r in list(self.recent)[-limit:]]
 
 
+# Endpoints named in metrics; any other path a client sends counts as "other": a made-up path
+# never becomes a label.
+_ENDPOINTS = frozenset({*NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
+
+
 def _endpoint(request: web.Request) -> str:
-    """The route's fixed path, or "other": a path a client made up never becomes a label."""
-    resource = request.match_info.route.resource
-    path = resource.canonical if resource is not None else ""
-    return path if path.startswith("/v1/") and "{" not in path else "other"
+    return request.path if request.path in _ENDPOINTS else "other"

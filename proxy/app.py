@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,7 +10,16 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import admin, events, filters, peer, progress, request_id
+from corral.proxy import (
+    admin,
+    capabilities,
+    events,
+    filters,
+    models_api,
+    peer,
+    progress,
+    request_id,
+)
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.errors import (
     ApiError,
@@ -24,10 +32,9 @@ from corral.proxy.errors import (
 from corral.proxy.forward import new_upstream_session, relay
 from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
 from corral.proxy.groups import GroupRunner
-from corral.proxy.routing import GroupTarget, exposed_groups, resolve, upstream_body
+from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
-from corral.supervisor.config import GroupSpec
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
 
@@ -44,8 +51,6 @@ ADMIN: web.RequestKey[bool] = web.RequestKey("admin", bool)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# OpenAI endpoints relayed to the child as they are.
-RELAYED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 def create_app(daemon: Daemon) -> web.Application:
@@ -65,12 +70,15 @@ def create_app(daemon: Daemon) -> web.Application:
     app.on_response_prepare.append(_send_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", accounting.metrics.handler)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    for path in RELAYED:
-        app.router.add_post(path, relay_openai)
+    models_api.add_routes(app, DAEMON)
     app.router.add_post("/v1/batch/execute", batch)
     app.router.add_post("/v1/chain/execute", chain)
+    # Any other POST /v1/* whose body names a model goes to that model's child: chat,
+    # completions, embeddings, responses, rerank, Anthropic-style messages, and whatever else
+    # the child implements.
+    app.router.add_post("/v1/{path:.+}", relay_openai)
+    # Read-only paths are corral's own (above): another GET under /v1 is simply not there.
+    app.router.add_get("/v1/{path:.+}", _no_such_path)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
     if daemon.lender is not None:
@@ -177,8 +185,10 @@ def _auth_middleware(daemon: Daemon) -> Any:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         admin_only, v1, worker = key_sets()
-        keys = admin_only if path.startswith("/admin") else v1 if path.startswith("/v1") \
-            else worker if path.startswith("/peer") else []
+        # /models: llama.cpp router's management API, which Open WebUI calls with the key it
+        # uses for /v1.
+        keys = admin_only if path.startswith("/admin") else v1 if path.startswith(
+            ("/v1/", "/models")) or path == "/v1" else worker if path.startswith("/peer") else []
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")
@@ -200,38 +210,8 @@ async def health(request: web.Request) -> web.Response:
     }, status=503 if daemon.closing else 200)
 
 
-def _model_entry(desc: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": desc["name"],
-        "object": "model",
-        "created": int(desc["since"]),
-        "owned_by": "corral",
-        "status": desc["state"],
-        "aliases": desc["aliases"],
-    }
-
-
-def _group_entry(group: GroupSpec, created: int) -> dict[str, Any]:
-    return {"id": group.name, "object": "model", "created": created, "owned_by": "corral",
-            "status": "group", "aliases": [],
-            "group": {"type": group.type, "models": list(group.models)}}
-
-
-async def list_models(request: web.Request) -> web.Response:
-    # Read-only: never touches last_used, so a UI polling this keeps nothing alive.
-    daemon = request.app[DAEMON]
-    models = [_model_entry(d) for d in daemon.describe()]
-    created = min((m["created"] for m in models), default=int(time.time()))
-    models += [_group_entry(g, created) for g in exposed_groups(daemon).values()]
-    return web.json_response({"object": "list", "data": models})
-
-
-async def get_model(request: web.Request) -> web.Response:
-    daemon = request.app[DAEMON]
-    target = resolve(daemon, request.match_info["model"])
-    if isinstance(target, GroupTarget):
-        return web.json_response(_group_entry(target.group, int(time.time())))
-    return web.json_response(_model_entry(daemon.instances[target.name].describe()))
+async def _no_such_path(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPNotFound()
 
 
 async def read_json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
@@ -274,11 +254,8 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         check_messages(body, required=False)
     canonical = record.model = target.name
     spec = daemon.instances[canonical].spec
-    if request.path == "/v1/embeddings" and not spec.embeddings:
-        # Refused here, before anything starts: llama-server would answer 501 only after
-        # loading the model.
-        raise ApiError(400, f"{canonical!r} does not serve embeddings; set `embeddings: true` "
-                            f"on it in the config", "embeddings_disabled", param="model")
+    # Refused here, before anything starts: the child would answer 501 only after loading.
+    capabilities.check(spec, request.path, body)
     filtered = filters.apply(body, spec.request, request.path)
     raw = upstream_body(raw, filtered, canonical, changed=filtered is not body)
     body = filtered

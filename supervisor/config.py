@@ -130,6 +130,15 @@ def default_config(models_dir: Path) -> LoadedConfig:
     return resolve(Config(models_dir=str(models_dir), models=models), Path.cwd(), None, {})
 
 
+def _capabilities(m: ModelConfig) -> tuple[str, ...]:
+    """What a model answers, from its settings: llama-server started with --embeddings
+    answers nothing but embeddings (and reranking, with --reranking); a projector adds vision."""
+    if m.embeddings:
+        rerank = any(a in ("--reranking", "--rerank") for a in m.args)
+        return ("embeddings", "rerank") if rerank else ("embeddings",)
+    return ("chat", "completion", "vision") if m.mmproj else ("chat", "completion")
+
+
 def _inherit(value: T | None, default: T) -> T:
     return default if value is None else value
 
@@ -199,6 +208,8 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
             embeddings=m.embeddings,
             loading_progress=_inherit(m.loading_progress, d.loading_progress),
+            capabilities=tuple(m.capabilities) if m.capabilities is not None else
+            _capabilities(m),
             request=m.request or d.request,
             mmproj=_absolute(m.mmproj, base_of(("models", name, "mmproj"))) if m.mmproj else None,
             replicas_min=replicas.min,

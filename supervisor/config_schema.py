@@ -19,6 +19,8 @@ __all__ = ["BackendKind", "Config", "Defaults", "GroupConfig", "ModelConfig", "P
 # Checked against what the binary accepts (its --help), when the config is resolved.
 KvCacheType = str
 BackendKind = Literal["llama-server", "vllm"]
+# What a model answers; each OpenAI path needs one (proxy/capabilities.py).
+Capability = Literal["chat", "completion", "embeddings", "rerank", "vision"]
 
 
 class _Strict(BaseModel):
@@ -131,6 +133,10 @@ class ModelConfig(_Strict):
     start_backoff_max: float | None = Field(None, ge=0)
     embeddings: bool = False
     loading_progress: bool | None = None
+    capabilities: list[Capability] | None = Field(
+        None, description="what it answers: chat, completion, embeddings, rerank, vision "
+        "(default: from the model's settings: embeddings: true → embeddings (+ rerank with "
+        "--reranking in args); else chat and completion, + vision with an mmproj)")
     request: RequestFilters | None = Field(
         None, description="request defaults, overrides, stripped fields and a default system "
         "prompt (default: defaults.request)")

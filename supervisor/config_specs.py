@@ -46,6 +46,7 @@ class ModelSpec:
     start_backoff_max: float = _DEFAULTS.start_backoff_max
     embeddings: bool = False
     loading_progress: bool = False
+    capabilities: tuple[str, ...] = ("chat", "completion")
     request: RequestFilters | None = None  # applied by the proxy to every request's body
     mmproj: Path | None = None
     replicas_min: int = 1

@@ -495,6 +495,28 @@ class Daemon:
                                for r in self.members(inst)))
         return inst
 
+    def load_soon(self, name: str) -> Instance:
+        """Begin loading `name` as the daemon's own task (the caller does not wait): the
+        shape llama.cpp's router and Open WebUI expect of POST /models/load. A failure shows
+        in the model's state and last_error, and in the log."""
+        inst = self.instance(name)  # an unknown name fails now, not in the background
+        self._spawn_task(self._load_quietly(inst.name))
+        return inst
+
+    def unload_soon(self, name: str) -> Instance:
+        """Begin draining and stopping `name` (the stop is the instance's own task)."""
+        inst = self.instance(name)
+        drain = self.loaded.config.shutdown_grace
+        for replica in self.members(inst):
+            replica.begin_stop("unloaded by request", drain=drain, cause="unload")
+        return inst
+
+    async def _load_quietly(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except SupervisorError as exc:
+            log.warning("daemon.load_failed", model=name, error=str(exc))
+
     async def rebalance(self, name: str) -> Instance:
         """Deploy a model split over RPC workers again, over every worker reachable now, with
         a new split from what each has free: drain, stop, start."""

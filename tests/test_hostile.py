@@ -80,9 +80,14 @@ def test_malformed_bodies_are_400_in_the_openai_shape(start_corral, tiny_models)
 
 def test_a_childs_own_500_reaches_the_client_as_a_shaped_502(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
-    # Valid as far as corral checks; a text-only llama-server fails it with HTTP 500.
+    # An image for a model without vision: corral refuses it itself, before any start.
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     resp = corral.chat("tiny-a", max_tokens=2, messages=[{"role": "user", "content": [image]}])
+    assert assert_openai_error(resp, 400)["code"] == "vision_unsupported"
+    assert corral.model("tiny-a")["state"] == "stopped"
+    # Audio is valid as far as corral checks; a text-only llama-server fails it with HTTP 500.
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    resp = corral.chat("tiny-a", max_tokens=2, messages=[{"role": "user", "content": [audio]}])
     error = assert_openai_error(resp, 502)
     assert error["code"] == "upstream_error" and "answered HTTP 500" in error["message"]
     refused = corral.chat("tiny-a", max_tokens=-5)  # the child's 400 stays a 400, reshaped
@@ -252,7 +257,9 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
                       expose_as_model=True)
     runner = SimpleNamespace(daemon=SimpleNamespace(acquire=acquire, closing=False),
                              session=SimpleNamespace(post=post),
-                             synthesis_body=lambda *_: {"messages": HI})
+                             synthesis_body=lambda *_: {"messages": HI},
+                             body_for=lambda model, body, stream: {**body, "model": model,
+                                                                   "stream": stream})
     outcome = GroupOutcome(group, [], 0.0)
 
     async def run() -> None:

@@ -71,7 +71,8 @@ def test_completions_and_alias_routing(start_corral, tiny_models):
     assert reply.model == "tiny-a"  # the canonical name, not the alias
     listed = {m.id: m for m in corral.client().models.list()}
     assert set(listed) == {"tiny-a"}
-    assert listed["tiny-a"].model_extra["status"] == "ready"
+    assert listed["tiny-a"].model_extra["state"] == "ready"
+    assert listed["tiny-a"].model_extra["status"] == {"value": "loaded"}
     assert listed["tiny-a"].model_extra["aliases"] == ["default"]
 
 

@@ -1,0 +1,54 @@
+"""Which capability each OpenAI-style path needs, and the check that refuses a request its
+model cannot answer: a clear 400 before anything starts, instead of the child's 501 (or, for
+an embeddings-only llama-server asked to chat, an empty answer) after a cold start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from corral.proxy.errors import ApiError
+from corral.supervisor.config import ModelSpec
+
+# Paths corral knows; any other POST /v1/* naming a model goes to the child as it is (a
+# tokenizer, a new endpoint), and the child's own answer says whether it serves it.
+NEEDS: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "chat",
+    "/v1/messages": "chat",  # Anthropic's Messages API, which llama-server also speaks
+    "/v1/messages/count_tokens": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/reranking": "rerank",
+}
+# Content parts that carry an image, in the chat, Responses and Messages shapes.
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
+def check(spec: ModelSpec, path: str, body: dict[str, Any]) -> None:
+    need = NEEDS.get(path)
+    if need is not None and need not in spec.capabilities:
+        if need == "embeddings":
+            raise ApiError(400, f"{spec.name!r} does not serve embeddings; set "
+                                f"`embeddings: true` on it in the config", "embeddings_disabled",
+                           param="model")
+        raise ApiError(400, f"{spec.name!r} does not serve {path} (it answers "
+                            f"{', '.join(spec.capabilities)}); set `capabilities:` on it in the "
+                            f"config if it does", "unsupported_capability", param="model")
+    if need == "chat" and "vision" not in spec.capabilities and _has_image(body):
+        raise ApiError(400, f"{spec.name!r} cannot see images: it has no multimodal projector "
+                            f"(`mmproj:` in the config)", "vision_unsupported", param="messages")
+
+
+def _has_image(body: dict[str, Any]) -> bool:
+    for key in ("messages", "input"):
+        turns = body.get(key)
+        if not isinstance(turns, list):
+            continue
+        for turn in turns:
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if isinstance(content, list) and any(
+                    isinstance(part, dict) and part.get("type") in _IMAGE_PARTS
+                    for part in content):
+                return True
+    return False

@@ -1,0 +1,109 @@
+"""What models there are, in the shapes clients read: OpenAI's `GET /v1/models` (plus
+corral's state, capabilities and file facts), and llama.cpp router mode's `GET /models`,
+`POST /models/load`, `POST /models/unload`, which Open WebUI's llama.cpp connection uses to show
+which models are loaded and to load or unload them. Listing never counts as use."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from corral.proxy.errors import ApiError
+from corral.proxy.routing import GroupTarget, exposed_groups, resolve
+from corral.proxy.validate import parse_json_object
+from corral.supervisor.config import GroupSpec
+from corral.supervisor.daemon import Daemon
+from corral.supervisor.instance import Instance, State
+
+# corral's states in llama.cpp router's words. A failed model is "unloaded" with `failed`:
+# llama.cpp's shape, which Open WebUI and other router clients read.
+_ROUTER_VALUE = {
+    State.READY: "loaded", State.DRAINING: "loaded", State.STARTING: "loading",
+    State.STOPPING: "unloaded", State.STOPPED: "unloaded", State.FAILED: "unloaded",
+}
+
+
+def model_entry(daemon: Daemon, inst: Instance) -> dict[str, Any]:
+    members = daemon.members(inst)
+    states = {m.state for m in members}
+    # A model with replicas is loaded when any replica serves, loading while one starts.
+    state = State.READY if State.READY in states else \
+        State.STARTING if State.STARTING in states else inst.state
+    status: dict[str, Any] = {"value": _ROUTER_VALUE[state]}
+    if state is State.FAILED:
+        status.update(failed=True, error=inst.last_error)
+    entry: dict[str, Any] = {
+        "id": inst.name,
+        "object": "model",
+        "created": int(inst.since),
+        "owned_by": "corral",
+        "status": status,
+        "state": str(state),
+        "loaded": status["value"] == "loaded",
+        "aliases": list(inst.spec.aliases),
+        "capabilities": list(inst.spec.capabilities),
+        "backend": inst.spec.backend,
+    }
+    return entry
+
+
+def group_entry(daemon: Daemon, group: GroupSpec, created: int) -> dict[str, Any]:
+    members = [daemon.instances[m] for m in group.models if m in daemon.instances]
+    loaded = bool(members) and all(m.state is State.READY for m in members)
+    return {"id": group.name, "object": "model", "created": created, "owned_by": "corral",
+            "status": {"value": "loaded" if loaded else "unloaded"}, "state": "group",
+            "loaded": loaded, "aliases": [], "capabilities": ["chat"],
+            "group": {"type": group.type, "models": list(group.models)}}
+
+
+def _entries(daemon: Daemon) -> list[dict[str, Any]]:
+    models = [model_entry(daemon, inst) for inst in daemon.instances.values()]
+    created = min((m["created"] for m in models), default=int(time.time()))
+    return models + [group_entry(daemon, g, created) for g in exposed_groups(daemon).values()]
+
+
+def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": _entries(request.app[key])})
+
+    async def get_model(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        target = resolve(daemon, request.match_info["model"])
+        if isinstance(target, GroupTarget):
+            return web.json_response(group_entry(daemon, target.group, int(time.time())))
+        return web.json_response(model_entry(daemon, daemon.instances[target.name]))
+
+    async def load(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        for name in await _named(request, daemon):
+            daemon.load_soon(name)
+        return web.json_response({"success": True})
+
+    async def unload(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        for name in await _named(request, daemon):
+            daemon.unload_soon(name)
+        return web.json_response({"success": True})
+
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    # llama.cpp router mode's management API, outside /v1 as there.
+    app.router.add_get("/models", list_models)
+    app.router.add_post("/models/load", load)
+    app.router.add_post("/models/unload", unload)
+
+
+async def _named(request: web.Request, daemon: Daemon) -> list[str]:
+    """The models a load/unload body names: `{"model": name}` (a model, an alias, or a group
+    exposed as a model: its members)."""
+    body = parse_json_object(await request.read())
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "the 'model' field is required (an id from GET /models)",
+                       "missing_model", param="model")
+    target = resolve(daemon, name)
+    if isinstance(target, GroupTarget):
+        return list(target.group.models)
+    return [target.name]
