@@ -86,6 +86,11 @@ class Metrics:
                                        "cancelled)", ["group", "model", "outcome"], registry=r)
         r.register(_LiveState(daemon))
         daemon.events.listen(self.on_event)
+        # The labelled series each request touches, looked up once (labels() costs a few
+        # microseconds a call). Bounded like the labels themselves.
+        self._per_model: dict[str, _ModelSeries] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._durations: dict[tuple[str, str], Any] = {}
 
     def model_label(self, name: str) -> str:
         daemon = self.daemon
@@ -95,23 +100,22 @@ class Metrics:
 
     def observe(self, record: RequestRecord) -> None:
         model = self.model_label(record.model)
-        self.requests.labels(model, record.endpoint, str(record.status)).inc()
+        per_model = self._per_model.get(model)
+        if per_model is None:
+            per_model = self._per_model[model] = _ModelSeries(self, model)
+        key = (model, record.endpoint, record.status or 0)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = self.requests.labels(model, record.endpoint,
+                                                                 str(record.status))
+        counter.inc()
         if record.duration_s is not None:
-            self.duration.labels(model, record.endpoint).observe(record.duration_s)
-        if record.hit is not None:
-            (self.hits if record.hit else self.misses).labels(model).inc()
-            if record.queue_s is not None:
-                self.queue_wait.labels(model).observe(record.queue_s)
-            if not record.hit and record.start_s is not None:
-                self.start_wait.labels(model).observe(record.start_s)
-        if record.ttft_s is not None:
-            self.ttft.labels(model).observe(record.ttft_s)
-        if record.prompt_tokens:
-            self.prompt_tokens.labels(model).inc(record.prompt_tokens)
-        if record.completion_tokens:
-            self.completion_tokens.labels(model).inc(record.completion_tokens)
-        if record.tokens_per_s:
-            self.speed.labels(model).observe(record.tokens_per_s)
+            duration = self._durations.get(key[:2])
+            if duration is None:
+                duration = self._durations[key[:2]] = self.duration.labels(model,
+                                                                           record.endpoint)
+            duration.observe(record.duration_s)
+        per_model.observe(record)
 
     def on_event(self, event: Event) -> None:
         data, kind = event.data, event.kind
@@ -143,6 +147,33 @@ class Metrics:
         # prometheus_client's own server negotiates it.
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
+
+
+class _ModelSeries:
+    """One model's per-request series, bound to its label."""
+
+    def __init__(self, m: Metrics, model: str) -> None:
+        self.hits, self.misses = m.hits.labels(model), m.misses.labels(model)
+        self.queue_wait, self.start_wait = m.queue_wait.labels(model), m.start_wait.labels(model)
+        self.ttft, self.speed = m.ttft.labels(model), m.speed.labels(model)
+        self.prompt_tokens = m.prompt_tokens.labels(model)
+        self.completion_tokens = m.completion_tokens.labels(model)
+
+    def observe(self, record: RequestRecord) -> None:
+        if record.hit is not None:
+            (self.hits if record.hit else self.misses).inc()
+            if record.queue_s is not None:
+                self.queue_wait.observe(record.queue_s)
+            if not record.hit and record.start_s is not None:
+                self.start_wait.observe(record.start_s)
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s)
+        if record.prompt_tokens:
+            self.prompt_tokens.inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.completion_tokens.inc(record.completion_tokens)
+        if record.tokens_per_s:
+            self.speed.observe(record.tokens_per_s)
 
 
 class _LiveState(Collector):
