@@ -31,7 +31,7 @@ def test_the_presets_are_there() -> None:
     names = {str(p.relative_to(PRESETS)) for p in ALL}
     assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
             "fixed-appliance.yaml", "memory.yaml", "vllm.yaml", "distributed-rpc.yaml",
-            "contrib/biggest-first.yaml"} <= names
+            "openwebui.yaml", "contrib/biggest-first.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
@@ -136,6 +136,25 @@ def test_generic_serves_on_demand(start_corral: CorralFactory, smol_model: Path)
     assert loaded(corral) == set()
     ask(corral, "default")  # the alias of `smol`
     assert corral.model("smol")["state"] == "ready"
+
+
+def test_openwebui_streams_the_load_then_a_right_answer(start_corral: CorralFactory,
+                                                       smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "openwebui.yaml")
+    # As Open WebUI asks: streamed, no system message, no sampling settings.
+    stream = corral.client(timeout=120).chat.completions.create(
+        model="default", stream=True,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    thinking, answer = [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            thinking.append((delta.model_extra or {}).get("reasoning_content") or "")
+            answer.append(delta.content or "")
+    assert "Loading smol" in "".join(thinking) and "ready after" in "".join(thinking)
+    assert "Paris" in "".join(answer), answer
+    status = {m["id"]: m["status"] for m in corral.http.get("/models").json()["data"]}
+    assert status["smol"] == {"value": "loaded"}
 
 
 def test_groups_serves_its_groups(start_corral: CorralFactory, smol_model: Path) -> None:
