@@ -19,6 +19,7 @@ from corral.proxy import (
     peer,
     progress,
     request_id,
+    ui,
 )
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.errors import (
@@ -81,6 +82,7 @@ def create_app(daemon: Daemon) -> web.Application:
     app.router.add_get("/v1/{path:.+}", _no_such_path)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
+    ui.add_routes(app)
     if daemon.lender is not None:
         peer.add_routes(app, DAEMON)
     app.cleanup_ctx.append(_upstream_session)
