@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="lend this machine's devices to head corrals (rpc-servers on "
                             "request); token: worker.token or CORRAL_WORKER_TOKEN")
     serve.add_argument("--no-watch", action="store_true",
-                       help="do not reload when the config files change (SIGHUP and "
+                       help="do not reload when the config files or the models folder "
+                            "change (SIGHUP and "
                             "POST /admin/reload still do)")
 
     check = sub.add_parser("check", help="validate config files; exit 1 on any error")
@@ -230,7 +231,7 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
     from aiohttp import web
 
     from corral.proxy.app import create_app
-    from corral.supervisor.config_watch import watch_config
+    from corral.supervisor.config_watch import watch_config, watch_models_dir
     from corral.supervisor.daemon import Daemon
     from corral.supervisor.sdnotify import ServiceNotifier
 
@@ -268,14 +269,16 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        watcher = asyncio.create_task(watch_config(daemon, stop), name="config-watch") \
-            if watch else None
+        watchers = [asyncio.create_task(watch_config(daemon, stop), name="config-watch"),
+                    asyncio.create_task(watch_models_dir(daemon, stop), name="models-dir-watch"),
+                    ] if watch else []
         await stop.wait()
         loop.remove_signal_handler(signal.SIGHUP)
-        if watcher is not None:
+        if watchers:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.wait([watcher]), 2)  # `stop` ends it
-            watcher.cancel()
+                await asyncio.wait_for(asyncio.wait(watchers), 2)  # `stop` ends them
+            for watcher in watchers:
+                watcher.cancel()
         grace = daemon.loaded.config.shutdown_grace  # the reloaded value, if any
         log.info("corral.shutting_down", grace=grace)
         await site.stop()  # no new connections; open ones finish under the daemon's grace

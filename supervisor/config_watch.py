@@ -7,6 +7,15 @@ change has come for `step_ms`. A reload that still catches a file half written f
 validation (an empty file is refused too) and keeps the running config; the write's next event
 reloads again. After each reload the set of files is looked at again, since an
 edit may add or drop an include.
+
+`watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its
+subfolders; the embedded default too, which has no config file): a model file added, removed
+or renamed there reloads, and the reload's diff adds, drains and stops the models. A file is
+held back from discovery while it is being written: from its first event until its size and
+mtime have not changed for SETTLE_S (or its mtime is already that old: a file renamed into
+place). A copy that stalls longer than that is seen half-written, so README says to copy to a
+hidden name or another folder on the same filesystem and rename into place (`corral pull`
+does). Hidden files and folders are ignored, as discovery ignores them.
 """
 
 from __future__ import annotations
@@ -14,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 from watchfiles import Change, awatch
 
+from corral.supervisor import discovery, inventory
+from corral.supervisor.config import LoadedConfig
+from corral.supervisor.config_yaml import pos_for
 from corral.supervisor.daemon import Daemon
 
 log = structlog.get_logger("corral.config")
@@ -77,3 +90,193 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
             log.exception("config.watch_failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), 5)
+
+
+# -- the models folder ----------------------------------------------------------------------------
+
+SETTLE_S = 2.0  # a new or changed model file is listed once unchanged this long
+TICK_MS = 250  # how often held files are looked at again while no event comes
+
+# (name, model file, projector file) of each discovered model, then (path, size, mtime_ns) of
+# every file of theirs: what a reload would see differently.
+Signature = tuple[tuple[tuple[str, str, str], ...], tuple[tuple[str, int, int], ...]]
+
+
+def models_folder(loaded: LoadedConfig) -> Path | None:
+    """The folder discovery reads: models_dir relative to the file that set it (as config
+    resolution reads it), or to the working directory for the embedded default."""
+    if not loaded.config.models_dir:
+        return None
+    # Resolved: watchfiles reports paths under the folder it was given, and discovery holds
+    # back files by their paths under the resolved folder.
+    path = Path(os.path.expanduser(loaded.config.models_dir))
+    if path.is_absolute():
+        return path.resolve()
+    pos = pos_for(("models_dir",), loaded.lines)
+    if pos and loaded.source is not None and pos[0] != str(loaded.source):
+        base = Path(pos[0]).parent  # set in an included file
+    else:
+        base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
+    return (base / path).resolve()
+
+
+def signature(folder: Path) -> Signature:
+    """What discovery lists in `folder` now, and the size and mtime of each listed file."""
+    found = discovery.discover(folder)
+    listed = tuple((m.name, str(m.path), str(m.mmproj or "")) for m in found)
+    stats: list[tuple[str, int, int]] = []
+    for model in found:
+        for path in [*inventory.shards(model.path), *([model.mmproj] if model.mmproj else [])]:
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                stats.append((str(path), st.st_size, st.st_mtime_ns))
+    return listed, tuple(stats)
+
+
+def _model_files(folder: Path) -> Callable[[Change, str], bool]:
+    def accept(_change: Change, path: str) -> bool:
+        rel = os.path.relpath(path, folder)
+        if rel.startswith("..") or any(part.startswith(".") for part in Path(rel).parts):
+            return False  # hidden: a download in progress, a cache, version control
+        # Folders count too: `mv org/ elsewhere` reports the folder alone.
+        return path.endswith(".gguf") or not os.path.isfile(path)
+    return accept
+
+
+class _Held:
+    """Model files being written: held back from discovery until they settle."""
+
+    def __init__(self, settle: float) -> None:
+        self.settle = settle
+        self.files: dict[str, tuple[int, int, float]] = {}  # path → size, mtime_ns, since
+        # What was released, as it was then: not held again for an mtime in the future (a
+        # clock ahead on a network share), which would never settle by age.
+        self.released: dict[str, tuple[int, int]] = {}
+
+    def saw(self, path: str, listed: Signature | None) -> None:
+        """An event for `path`: hold it if it is a model file being written."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            self.release(path)  # deleted (or renamed away) meanwhile
+            self.released.pop(path, None)
+            return
+        if path.endswith(".gguf") and os.path.isfile(path) and path not in self.files \
+                and self.fresh(path, st.st_size, st.st_mtime_ns, listed):
+            self.hold(path, st.st_size, st.st_mtime_ns)
+
+    def fresh(self, path: str, size: int, mtime_ns: int, listed: Signature | None) -> bool:
+        """Written within the settle time, and not as it was listed: a file renamed into
+        place keeps its (older) mtime; a touch keeps its size, and a running child need not
+        stop for it."""
+        if time.time() - mtime_ns / 1e9 >= self.settle \
+                or self.released.get(path) == (size, mtime_ns):
+            return False
+        return not (listed and any(p == path and s == size for p, s, _ in listed[1]))
+
+    def hold(self, path: str, size: int, mtime_ns: int) -> None:
+        self.files[path] = (size, mtime_ns, time.monotonic())
+        discovery.hold_back([path], True)
+
+    def settled(self) -> list[str]:
+        """Files that stopped changing (released now), and those gone."""
+        done: list[str] = []
+        for path, (size, mtime, since) in list(self.files.items()):
+            try:
+                st = os.stat(path)
+            except OSError:
+                done.append(path)
+                continue
+            if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                self.files[path] = (st.st_size, st.st_mtime_ns, time.monotonic())
+            elif time.monotonic() - since >= self.settle:
+                done.append(path)
+        for path in done:
+            size, mtime, _ = self.files[path]
+            self.release(path)
+            self.released[path] = (size, mtime)
+        return done
+
+    def release(self, path: str) -> None:
+        if self.files.pop(path, None) is not None:
+            discovery.hold_back([path], False)
+
+    def clear(self) -> None:
+        discovery.hold_back(list(self.files), False)
+        self.files.clear()
+
+
+async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int = STEP_MS,
+                           settle: float = SETTLE_S) -> None:
+    """Run until `stopping` is set (the CLI owns this task, beside watch_config). Reloads
+    (trigger "models_dir") when what discovery lists changed: a model file added, removed,
+    renamed, rewritten, or a folder of them moved."""
+    held = _Held(settle)
+    folder = models_folder(daemon.loaded)
+    last = await asyncio.to_thread(signature, folder) if folder else None
+    try:
+        while not stopping.is_set():
+            folder = models_folder(daemon.loaded)
+            if folder is None or not folder.is_dir():
+                # Nothing to watch yet: a reload may set models_dir, a mkdir create it.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), 1)
+                if folder is not None and folder.is_dir():
+                    last = await _reload_if_changed(daemon, folder, last, held)
+                continue
+            try:
+                log.debug("models_dir.watching", folder=str(folder))
+                async for changes in awatch(
+                        folder, watch_filter=_model_files(folder), step=step_ms,
+                        debounce=MAX_BURST_MS, stop_event=stopping, rust_timeout=TICK_MS,
+                        yield_on_timeout=True, recursive=True):
+                    for _, path in changes:
+                        held.saw(path, last)
+                    released = held.settled()
+                    if changes or released:
+                        # Held files are left out of this listing, and reload again once
+                        # they settle.
+                        last = await _reload_if_changed(daemon, folder, last, held)
+                    if models_folder(daemon.loaded) != folder:
+                        break  # models_dir changed in the config: watch the new one
+                    if not folder.is_dir():
+                        break  # removed: its models go with the next listing
+                if stopping.is_set():
+                    return
+                held.clear()
+                last = await _reload_if_changed(daemon, folder, last, held)
+            except Exception:
+                # inotify limits, a folder that vanished: say so, and try again in a while.
+                log.exception("models_dir.watch_failed", folder=str(folder))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), 5)
+    finally:
+        held.clear()
+
+
+async def _reload_if_changed(daemon: Daemon, folder: Path, last: Signature | None,
+                             held: _Held) -> Signature | None:
+    now = await asyncio.to_thread(signature, folder)
+    # A file can be listed with no event of its own seen: written into a folder made just
+    # before, whose watch was not set up yet. Its mtime still says it is being written.
+    fresh = [(path, size, mtime) for path, size, mtime in now[1]
+             if path not in held.files and held.fresh(path, size, mtime, last)]
+    if fresh:
+        for path, size, mtime in fresh:
+            held.hold(path, size, mtime)
+        now = await asyncio.to_thread(signature, folder)
+    if now == last or daemon.closing:
+        return now
+    before = dict(daemon.loaded.models)
+    attempt = await asyncio.shield(daemon.reload("models_dir"))
+    if attempt.ok and attempt.changes:
+        after = daemon.loaded.models
+        for what, names, specs in (("added", attempt.changes["added"], after),
+                                   ("removed", attempt.changes["removed"], before),
+                                   ("changed", attempt.changes["restarted"], after)):
+            for name in names:
+                spec = specs.get(name)
+                log.info(f"inventory.{what}", model=name,
+                         path=str(spec.model_path) if spec else None,
+                         mmproj=str(spec.mmproj) if spec and spec.mmproj else None)
+    return now

@@ -38,6 +38,7 @@ from corral.supervisor.errors import (
 )
 from corral.supervisor.events import EventBus
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, Lease, State
+from corral.supervisor.inventory import cached_facts, read_facts
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
 from corral.supervisor.memory.tracker import MemoryTracker
@@ -131,6 +132,7 @@ class Daemon:
         except Exception:
             log.exception("daemon.memory_watch_failed")  # corral serves without it meanwhile
         self._spawn_task(self._prefetch_facts(self.loaded))
+        self._spawn_task(self._read_inventory(self.loaded))
         self._memory_task = asyncio.create_task(self._watch_memory(), name="memory")
         self._spawn_task(self._watch_missing_workers())
         for inst in self.instances.values():
@@ -757,6 +759,25 @@ class Daemon:
             if inst.state is State.READY and inst.process is not None:
                 self.memory.read_log(inst, inst.process.tail(400))
 
+    def inventory(self, name: str) -> dict[str, Any] | None:
+        """What a model's GGUF file is, for /v1/models (supervisor/inventory.py): its
+        architecture, parameters, quantization, native context_length, size_bytes (all
+        shards) and whether it has a projector. From memory only; None while the file has
+        not been read yet (just after a start or reload), when it cannot be read, and for a
+        model that is not a GGUF file."""
+        inst = self.instances.get(name)
+        if inst is None or inst.spec.backend != "llama-server":
+            return None
+        facts = cached_facts(inst.spec.model_path)
+        return None if facts is None else {**facts, "mmproj": inst.spec.mmproj is not None}
+
+    async def _read_inventory(self, loaded: LoadedConfig) -> None:
+        """Read the headers of models not read yet (or changed on disk), one at a time in a
+        thread: what inventory() answers from."""
+        for spec in list(loaded.models.values()):
+            if spec.backend == "llama-server":
+                await asyncio.to_thread(read_facts, spec.model_path)
+
     async def _prefetch_facts(self, loaded: LoadedConfig) -> None:
         """Read every model file's GGUF header once, in a thread, so the first decision about
         a model does not (the header parse is fast, loading gguf/numpy is not)."""
@@ -1008,6 +1029,7 @@ class Daemon:
             plan = reloading.diff(self.loaded, new)
             changed = not plan.empty or new.digest != self.loaded.digest
             self._apply_plan(plan, new)  # synchronous: applied whole, or (cancelled) not at all
+            self._spawn_task(self._read_inventory(new))
             if changed:
                 self._config_since = time.time()
                 self._generation += 1
