@@ -46,6 +46,11 @@ def model_entry(daemon: Daemon, inst: Instance) -> dict[str, Any]:
         "capabilities": list(inst.spec.capabilities),
         "backend": inst.spec.backend,
     }
+    # The GGUF file's facts (architecture, parameters, quantization, native context), read
+    # once per file by the daemon: absent for a moment after a start or reload.
+    meta = daemon.inventory(inst.name)
+    if meta is not None:
+        entry["meta"] = meta
     return entry
 
 

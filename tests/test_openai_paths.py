@@ -64,6 +64,14 @@ def test_capabilities_are_listed_and_enforced_before_anything_starts(corral):
     assert listed["emb"]["capabilities"] == ["embeddings"]
     assert listed["seer"]["capabilities"] == ["chat", "vision"]
     assert listed["pair"]["capabilities"] == ["chat"]
+    # The GGUF file's own facts (read in the background after start): the tiny llama written
+    # by tests/tinymodel.py.
+    meta = wait_until(lambda: {m["id"]: m for m in corral.http.get("/v1/models").json()[
+        "data"]}["tiny-a"].get("meta"), timeout=10)
+    assert meta["architecture"] == "llama" and meta["context_length"] == 32768
+    assert meta["parameters"] > 0 and meta["size_bytes"] == Path(
+        corral.models()["tiny-a"]["model_path"]).stat().st_size
+    assert meta["mmproj"] is False
 
     chat = post(corral, "/v1/chat/completions", model="emb", messages=HI)
     assert chat.status_code == 400
