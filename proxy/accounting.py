@@ -32,15 +32,16 @@ class Accounting:
 
     def finish(self, record: RequestRecord, status: int) -> None:
         record.finish(status)
-        if record.model != UNKNOWN_MODEL and self.metrics.model_label(record.model) \
-                == UNKNOWN_MODEL:
-            record.model = UNKNOWN_MODEL  # a client's string never becomes a label or a key
+        # A client's string never becomes a label or a key.
+        record.model = self.metrics.model_label(record.model)
         self.metrics.observe(record)
+        if record.status == 401:
+            return  # counted; an anonymous flood writes no log line, event or list entry
         self.recent.append(record)
         summary = record.as_dict()
         log.info("proxy.request", **{k: v for k, v in summary.items()
                                      if v is not None and k != "time"})
-        self.daemon.events.publish("request", **summary)
+        self.daemon.events.publish("request", history=False, **summary)
 
     def middleware(self) -> Any:
         @web.middleware

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
+from corral.supervisor.instance import Lease
 
 log = structlog.get_logger("corral.proxy")
 
@@ -49,6 +51,8 @@ REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Whether the request carries an admin key (or no keys are configured): groups not exposed
 # as models are the operator's.
 ADMIN: web.RequestKey[bool] = web.RequestKey("admin", bool)
+# Whether the response's head went out (a stream began): no second response after that.
+STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -110,6 +114,7 @@ async def _request_id_middleware(request: web.Request,
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # A signal, not the middleware: a streamed response sends its headers before the
     # handler returns.
+    request[STARTED] = True
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[request_id.HEADER] = rid
@@ -119,29 +124,40 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
 async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except (SupervisorError, UpstreamFailed) as exc:
+    except Exception as exc:
+        if request.get(STARTED) and not isinstance(exc, ConnectionResetError):
+            # The status line and part of the body are out: a second response would land
+            # inside this one's body. Logged; aiohttp closes the connection.
+            log.exception("proxy.failed_mid_response", method=request.method,
+                          path=request.path)
+            raise
+        return _error_answer(request, exc)
+
+
+def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
+    if isinstance(exc, (SupervisorError, UpstreamFailed)):
         return _failure(request.app[DAEMON], exc)
-    except ApiError as exc:
+    if isinstance(exc, ApiError):
         return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return error_response(413, f"request body too large: {exc.text}",
                               code="request_too_large")
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
                               code=exc.reason.lower().replace(" ", "_"))
-    except ConnectionResetError:
+    if isinstance(exc, ConnectionResetError):
         # The client hung up while we wrote to it: nobody to answer, and nothing upstream
         # is to blame. 499 is nginx's "client closed request", for the record only.
         log.info("proxy.client_gone", method=request.method, path=request.path)
         return web.Response(status=499)
-    except Exception:
-        # A bug. The client gets the OpenAI shape and the request id; the daemon log gets
-        # the traceback under the same id.
-        log.exception("proxy.unhandled", method=request.method, path=request.path)
-        return error_response(500, "internal error in corral", kind="server_error",
-                              code="internal_error")
+    # A bug. The client gets the OpenAI shape and the request id; the daemon log gets the
+    # traceback under the same id.
+    log.error("proxy.unhandled", method=request.method, path=request.path,
+              exc_info=exc)
+    return error_response(500, "internal error in corral", kind="server_error",
+                          code="internal_error")
 
 
 def _failure(daemon: Daemon, exc: SupervisorError | UpstreamFailed) -> web.Response:
@@ -237,9 +253,23 @@ def requested_model(body: dict[str, Any]) -> str:
     return model
 
 
+# The paths relayed to a child: /v1/ and plain segments. No dot segments, no percent
+# signs, no query: a path that the client (or yarl) would normalise into another endpoint of
+# the child (/v1/../slots) never leaves corral.
+_RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
+# A child's endpoints that change it for every user, not answer one request.
+_NOT_RELAYED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def upstream_url(lease: Lease, request: web.Request) -> str:
+    return lease.base_url + request.path  # checked by relay_openai against _RELAYABLE
+
+
 async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
     record = request[RECORD]
+    if not _RELAYABLE.fullmatch(request.path) or request.path in _NOT_RELAYED:
+        raise web.HTTPNotFound()
     raw, body = await read_json_body(request)
     name = requested_model(body)
     record.model = name
@@ -261,35 +291,43 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     filtered = filters.apply(body, spec.request, request.path)
     raw = upstream_body(raw, filtered, canonical, changed=filtered is not body)
     body = filtered
-    was_ready = daemon.ready_now(canonical)
-    if not was_ready and progress.wanted(request, body, spec.loading_progress):
+    if not daemon.ready_now(canonical) and progress.wanted(request, body, spec.loading_progress):
         return await _relay_after_progress(request, canonical, raw)
     async with leased(daemon, canonical) as lease:
-        record.leased(lease, was_ready)
-        response = await relay(request, request.app[UPSTREAM], lease.base_url + request.path,
+        record.leased(lease)
+        response = await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
                                raw, canonical, lease, record)
     return _documented(response, canonical)
 
 
 async def _relay_after_progress(request: web.Request, model: str,
                                 raw: bytes) -> web.StreamResponse:
-    """A streamed chat request for a cold model, opted in to loading progress: the stream
-    opens now with the load's progress, and the answer follows in it. Failures after that
-    are error events in the stream (the status line is gone)."""
+    """A streamed chat request for a cold model, opted in to loading progress: once the wait
+    lasts, the stream opens with the load's progress, and the answer follows in it. Failures
+    after that are error events in the stream (the status line is gone)."""
     daemon, record = request.app[DAEMON], request[RECORD]
     stream = progress.ProgressStream(request, model)
-    response = await stream.open()
     try:
         async with leased(daemon, model, stream.acquire(daemon)) as lease:
-            record.leased(lease, was_ready=False)
-            return await relay(request, request.app[UPSTREAM], lease.base_url + request.path,
-                               raw, model, lease, record, started=response)
+            record.leased(lease)
+            return await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
+                               raw, model, lease, record,
+                               started=stream.response if stream.opened else None)
     except (SupervisorError, UpstreamFailed) as exc:
+        if not stream.opened:
+            raise  # refused before the stream began: the plain error response
         shape = shape_of(exc)
         record.error_status = shape.status
         log.warning("proxy.request_failed", status=shape.status, code=shape.code,
                     error=str(exc), after="loading progress")
         return await stream.fail(str(exc), shape.code)
+    except Exception:
+        if not stream.opened:
+            raise
+        # A bug after the stream began: said in the stream, never a second response.
+        log.exception("proxy.unhandled", method=request.method, path=request.path)
+        record.error_status = 500
+        return await stream.fail("internal error in corral", "internal_error")
 
 
 def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:

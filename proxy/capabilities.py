@@ -28,7 +28,7 @@ _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 def check(spec: ModelSpec, path: str, body: dict[str, Any]) -> None:
     need = NEEDS.get(path)
     if need is not None and need not in spec.capabilities:
-        if need == "embeddings":
+        if need == "embeddings" and spec.backend == "llama-server":
             raise ApiError(400, f"{spec.name!r} does not serve embeddings; set "
                                 f"`embeddings: true` on it in the config", "embeddings_disabled",
                            param="model")
@@ -36,8 +36,10 @@ def check(spec: ModelSpec, path: str, body: dict[str, Any]) -> None:
                             f"{', '.join(spec.capabilities)}); set `capabilities:` on it in the "
                             f"config if it does", "unsupported_capability", param="model")
     if need == "chat" and "vision" not in spec.capabilities and _has_image(body):
-        raise ApiError(400, f"{spec.name!r} cannot see images: it has no multimodal projector "
-                            f"(`mmproj:` in the config)", "vision_unsupported", param="messages")
+        hint = "`capabilities: [chat, vision]` if it is a vision model" \
+            if spec.backend == "vllm" else "`mmproj:` in the config"
+        raise ApiError(400, f"{spec.name!r} cannot see images ({hint})", "vision_unsupported",
+                       param="messages")
 
 
 def _has_image(body: dict[str, Any]) -> bool:
@@ -48,7 +50,8 @@ def _has_image(body: dict[str, Any]) -> bool:
         for turn in turns:
             content = turn.get("content") if isinstance(turn, dict) else None
             if isinstance(content, list) and any(
-                    isinstance(part, dict) and part.get("type") in _IMAGE_PARTS
+                    isinstance(part, dict) and isinstance(part.get("type"), str)
+                    and part["type"] in _IMAGE_PARTS
                     for part in content):
                 return True
     return False

@@ -40,7 +40,8 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Daemon],
             if sub.lagged:
                 # Fell a whole queue behind: told, and cut off; EventSource reconnects with
                 # Last-Event-ID and the history replays what it can.
-                await response.write(named(0, "lagged", {"kind": "lagged"}))
+                # No id: the reader's last id stays the last event it got.
+                await response.write(b'event: lagged\ndata: {"kind": "lagged"}\n\n')
         finally:
             bus.unsubscribe(sub)
         with contextlib.suppress(ConnectionResetError):
@@ -48,7 +49,8 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Daemon],
         return response
 
     async def recent(request: web.Request) -> web.Response:
-        limit = max(1, min(_int(request.query.get("limit")) or 100, 1000))
+        given = _int(request.query.get("limit"))
+        limit = max(1, min(100 if given is None else given, 1000))
         return web.json_response(
             {"requests": request.app[accounting_key].recent_requests(limit)})
 

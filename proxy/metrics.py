@@ -48,8 +48,8 @@ class Metrics:
         self.start_wait = Histogram("corral_start_wait_seconds", "Waiting for a cold model to "
                                     "load (requests that found it not ready)", model,
                                     buckets=_START, registry=r)
-        self.ttft = Histogram("corral_time_to_first_token_seconds", "Arrival to the first "
-                              "bytes of the answer (a stream's first token)", model,
+        self.ttft = Histogram("corral_time_to_first_token_seconds", "Streams: arrival to the "
+                              "first bytes of the answer (the first token)", model,
                               buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens, as the child "
                                      "counted them", model, registry=r)
@@ -166,8 +166,8 @@ class _ModelSeries:
                 self.queue_wait.observe(record.queue_s)
             if not record.hit and record.start_s is not None:
                 self.start_wait.observe(record.start_s)
-        if record.ttft_s is not None:
-            self.ttft.observe(record.ttft_s)
+        if record.ttft_s is not None and record.stream:
+            self.ttft.observe(record.ttft_s)  # a whole answer's first byte is not a token
         if record.prompt_tokens:
             self.prompt_tokens.inc(record.prompt_tokens)
         if record.completion_tokens:
@@ -191,8 +191,10 @@ class _LiveState(Collector):
                                       labels=["model"])
         queued = GaugeMetricFamily("corral_queue_depth", "Requests waiting (for a slot, room "
                                    "or a start)", labels=["model"])
-        state = GaugeMetricFamily("corral_model_state", "1 for the state each instance is in",
-                                  labels=["model", "instance", "state"])
+        # "replica", not "instance": Prometheus gives every series an `instance` label (the
+        # scrape target) and would rename ours.
+        state = GaugeMetricFamily("corral_model_state", "1 for the state each replica is in",
+                                  labels=["model", "replica", "state"])
         totals: dict[str, list[int]] = {}
         for m in models:
             model = m["replica_of"] or m["name"]
@@ -210,20 +212,25 @@ class _LiveState(Collector):
 def _memory_families(status: dict[str, Any]) -> Iterator[Metric]:
     mib = 1024 * 1024
     device = GaugeMetricFamily("corral_device_memory_bytes", "Device memory: total, used (by "
-                               "everyone), corral (its children), budget (what corral may use)",
-                               labels=["device", "kind"])
+                               "everyone), corral (its children), capacity (what corral may "
+                               "use: budget and reserve applied)", labels=["device", "kind"])
     for d in status["devices"]:
         for kind, key in (("total", "total_mib"), ("used", "used_mib"),
-                          ("corral", "corral_mib"), ("budget", "capacity_mib")):
+                          ("corral", "corral_mib"), ("capacity", "capacity_mib")):
             if d.get(key) is not None:
                 device.add_metric([d["name"], kind], d[key] * mib)
-    model = GaugeMetricFamily("corral_model_memory_bytes", "What each loaded instance holds "
+    model = GaugeMetricFamily("corral_model_memory_bytes", "What each loaded replica holds "
                               "per device (measured once running, estimated while loading)",
-                              labels=["model", "instance", "device"])
+                              labels=["model", "replica", "device"])
+    # Summed per series: during a switch-over the new child and the old one share a name.
+    held: dict[tuple[str, str, str], float] = {}
     for m in status["models"]:
         if m["state"] in ("stopped", "failed"):
             continue
         owner = m["name"].split("#")[0]
         for dev, amount in (m.get("footprint_mib") or {}).items():
-            model.add_metric([owner, m["name"], dev], amount * mib)
+            series = (owner, m["name"], dev)
+            held[series] = held.get(series, 0.0) + amount * mib
+    for labels, amount in held.items():
+        model.add_metric(list(labels), amount)
     yield from (device, model)

@@ -33,7 +33,8 @@ def model_entry(daemon: Daemon, inst: Instance) -> dict[str, Any]:
         State.STARTING if State.STARTING in states else inst.state
     status: dict[str, Any] = {"value": _ROUTER_VALUE[state]}
     if state is State.FAILED:
-        status.update(failed=True, error=inst.last_error)
+        # The reason stays in the admin API: it may quote the child's log.
+        status["failed"] = True
     entry: dict[str, Any] = {
         "id": inst.name,
         "object": "model",
@@ -93,7 +94,7 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
         return web.json_response({"success": True})
 
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/v1/models/{model:.+}", get_model)  # ids from subfolders have a "/"
     # llama.cpp router mode's management API, outside /v1 as there.
     app.router.add_get("/models", list_models)
     app.router.add_post("/models/load", load)

@@ -8,7 +8,6 @@ log; no made-up percentages."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ from aiohttp import web
 from corral.proxy import request_id
 from corral.proxy.sse import DONE, error_event, frame, sse_headers
 from corral.supervisor.daemon import Daemon
+from corral.supervisor.events import Event, Subscription
 from corral.supervisor.instance import Lease
 
 HEADER = "X-Corral-Progress"
@@ -54,53 +54,77 @@ class ProgressStream:
     async def say(self, text: str) -> None:
         await self.response.write(self._chunk(text))
 
-    async def acquire(self, daemon: Daemon, every: float = 1.0) -> Lease:
-        """daemon.acquire(model), telling the client what happens while it waits. A client
-        that hangs up cancels the wait; a lease got at that very moment is given back."""
+    @property
+    def opened(self) -> bool:
+        return self.response.prepared
+
+    async def acquire(self, daemon: Daemon, every: float = 1.0, grace: float = 0.5) -> Lease:
+        """daemon.acquire(model), telling the client what happens while it waits. The stream
+        opens only once the wait has lasted `grace` seconds: a quick answer, or a quick
+        refusal (queue full, back-off: a 429 or 503 with Retry-After), comes as it would
+        without progress. A client that hangs up cancels the wait."""
         began = time.monotonic()
         sub = daemon.events.subscribe(kinds=_PROGRESS_KINDS)
         task = asyncio.ensure_future(daemon.acquire(self.model))
         try:
-            await self.say(f"Loading {self.model}…\n")
-            last_line: str | None = None
-            while not task.done():
-                # The loader's own ticks (a second apart, with the child's last log line)
-                # set the pace; a wait that is no load (a queue, room) still ticks each second.
-                waiter = asyncio.ensure_future(sub.next(every))
-                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    waiter.cancel()
-                    break
-                try:
-                    event = waiter.result()
-                except StopAsyncIteration:  # the bus closed: corral is stopping
-                    await asyncio.wait([task])
-                    break
-                line = None
-                if event is not None:
-                    if event.data.get("model") != self.model or event.kind != "load_progress":
-                        continue
-                    line = event.data.get("log")
-                inst = daemon.instances.get(self.model)
-                text = f"{inst.state if inst else 'waiting'} " \
-                       f"{time.monotonic() - began:.0f} s"
-                if line and line != last_line:
-                    text += f": {line.strip()[:200]}"
-                    last_line = line
-                await self.say(text + "\n")
+            await asyncio.wait([task], timeout=grace)
+            if not task.done():
+                await self._report(daemon, task, sub, began, every)
             lease = task.result()
-            await self.say(f"{self.model} ready after {time.monotonic() - began:.1f} s.\n\n")
-            return lease
         except BaseException:
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            elif not task.cancelled() and task.exception() is None:
-                task.result().release()
+            # The acquire may still come back with a lease (a slot granted at the very moment
+            # of the cancel): whenever it ends, a lease nobody took goes back.
+            task.add_done_callback(_give_back)
             raise
         finally:
             daemon.events.unsubscribe(sub)
+        if self.opened:
+            try:
+                await self.say(f"{self.model} ready after {time.monotonic() - began:.1f} s.\n\n")
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
+    async def _report(self, daemon: Daemon, task: asyncio.Future[Lease], sub: Subscription,
+                      began: float, every: float) -> None:
+        """Open the stream and write a line a second until `task` is done: the state, the
+        time so far and, when it changed, the child's last log line (from the loader's own
+        ticks)."""
+        await self.open()
+        await self.say(f"Loading {self.model}…\n")
+        last_line: str | None = None
+        last_write = time.monotonic()
+        while not task.done():
+            waiter = asyncio.ensure_future(
+                sub.next(max(0.0, every - (time.monotonic() - last_write))))
+            try:
+                either: list[asyncio.Future[Any]] = [task, waiter]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                _drop(waiter)
+            if task.done():
+                return
+            try:
+                event = waiter.result()
+            except StopAsyncIteration:  # the bus closed: corral is stopping
+                await asyncio.wait([task])
+                return
+            line = None
+            if event is not None and event.data.get("model") == self.model \
+                    and event.kind == "load_progress":
+                line = event.data.get("log")
+            elif time.monotonic() - last_write < every:
+                continue  # another model's event: the next line is due later
+            inst = daemon.instances.get(self.model)
+            text = f"{inst.state if inst else 'waiting'} {time.monotonic() - began:.0f} s"
+            if line and line != last_line:
+                text += f": {line.strip()[:200]}"
+                last_line = line
+            await self.say(text + "\n")
+            last_write = time.monotonic()
 
     async def fail(self, message: str, code: str) -> web.StreamResponse:
         """The stream is open, so the error goes in it (the status line is gone)."""
@@ -108,3 +132,17 @@ class ProgressStream:
         await self.response.write(DONE)
         await self.response.write_eof()
         return self.response
+
+
+def _give_back(task: asyncio.Future[Lease]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().release()
+
+
+def _drop(waiter: asyncio.Future[Event | None]) -> None:
+    """Cancel a wait that lost the race, or read what it ended with (so asyncio does not log
+    an exception nobody retrieved)."""
+    if not waiter.done():
+        waiter.cancel()
+    elif not waiter.cancelled():
+        waiter.exception()

@@ -41,19 +41,18 @@ class RequestRecord:
     tail: collections.deque[bytes] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
 
-    def leased(self, lease: Lease, was_ready: bool) -> None:
-        """The lease is in: split the wait into start and queue. A model not ready when the
-        request came is a miss, and the time until it became ready is the start wait."""
+    def leased(self, lease: Lease) -> None:
+        """The lease is in: split the wait into start and queue. A request whose instance
+        became ready after it came (a cold start, or a restart while it waited) is a miss,
+        and the time until then is the start wait; otherwise a hit, all of it queue."""
         now = time.monotonic()
         inst = lease.instance
         waited = now - self.arrived
-        self.instance, self.pid, self.hit = inst.name, inst.pid, was_ready
-        if was_ready:
-            self.start_s, self.queue_s = 0.0, waited
-        else:
-            # `since` is when it became READY (wall clock): the start we waited for.
-            start = min(max(inst.since - self.arrived_wall, 0.0), waited)
-            self.start_s, self.queue_s = start, waited - start
+        self.instance, self.pid = inst.name, inst.pid
+        # `since` is when the leased instance became READY (wall clock).
+        start = min(max(inst.since - self.arrived_wall, 0.0), waited)
+        self.hit = start == 0.0
+        self.start_s, self.queue_s = start, waited - start
         self.sent_upstream = now
 
     def head(self) -> None:
@@ -75,15 +74,16 @@ class RequestRecord:
         return ", ".join(parts)
 
     def read_usage(self, body: bytes) -> None:
-        """Token counts from a whole JSON answer (OpenAI `usage`, llama-server `timings`)."""
-        if b'"usage"' not in body and b'"timings"' not in body:
-            return
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return
-        if isinstance(data, dict):
-            self._take_usage(data)
+        """Token counts from a whole JSON answer (OpenAI `usage`, llama-server `timings`).
+        Only those objects are parsed, found from the end: an embeddings answer of megabytes
+        is not decoded on the event loop for two numbers."""
+        found: dict[str, Any] = {}
+        for key in ("usage", "timings"):
+            value = _object_after(body, key)
+            if value is not None:
+                found[key] = value
+        if found:
+            self._take_usage(found)
 
     def read_stream_tail(self) -> None:
         """Token counts from the last events of a stream (the chunks kept in `tail`)."""
@@ -121,6 +121,7 @@ class RequestRecord:
 
     def finish(self, status: int) -> None:
         self.status = self.error_status or status
+        self.tail.clear()  # kept in the recent list: no stream bytes with it
         self.duration_s = time.monotonic() - self.arrived
         if self.tokens_per_s is None and self.completion_tokens and self.ttft_s is not None:
             generating = self.duration_s - self.ttft_s
@@ -141,6 +142,26 @@ class RequestRecord:
             "tokens_in": self.prompt_tokens, "tokens_out": self.completion_tokens,
             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
         }
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _object_after(body: bytes, key: str) -> dict[str, Any] | None:
+    """The JSON object that follows the last `"key":` in `body`, or None."""
+    at = body.rfind(f'"{key}"'.encode())
+    if at < 0:
+        return None
+    colon = body.find(b":", at)
+    if colon < 0:
+        return None
+    # These objects are a few hundred bytes: never decode more than a little of the body.
+    text = body[colon + 1:colon + 1 + 16384].decode("utf-8", "replace").lstrip()
+    try:
+        value, _ = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _int(value: object) -> int | None:

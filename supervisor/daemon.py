@@ -514,8 +514,11 @@ class Daemon:
         return inst
 
     async def _load_quietly(self, name: str) -> None:
+        # Not an operator's retry (load() ignores the back-off): a client asking again and
+        # again must not restart a broken model in a loop.
         try:
-            await self.load(name)
+            lease = await self.acquire(name)
+            lease.release()
         except SupervisorError as exc:
             log.warning("daemon.load_failed", model=name, error=str(exc))
 

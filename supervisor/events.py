@@ -22,6 +22,9 @@ import structlog
 
 log = structlog.get_logger("corral.events")
 
+# Events a reader may fall behind before it is cut off.
+MAX_BEHIND = 1000
+
 # Why a child was stopped: bounded, so it can label a metric.
 STOP_CAUSES = ("ttl", "lru", "memory", "kv", "unload", "reload", "scale_down", "rebalance",
                "shutdown", "other")
@@ -45,24 +48,27 @@ class Subscription:
 
     bus: EventBus
     kinds: frozenset[str] | None
-    queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(1000))
+    # One place more than MAX_BEHIND: the end marker always fits, and no event is dropped to
+    # make room for it (the reader resumes after the last one it got).
+    queue: asyncio.Queue[Event | None] = field(
+        default_factory=lambda: asyncio.Queue(MAX_BEHIND + 1))
     lagged: bool = False
+    ended: bool = False
 
     def offer(self, event: Event) -> None:
-        if self.kinds is not None and event.kind not in self.kinds:
+        if self.ended or (self.kinds is not None and event.kind not in self.kinds):
             return
-        try:
-            self.queue.put_nowait(event)
-        except asyncio.QueueFull:
+        if self.queue.qsize() >= MAX_BEHIND:
             self.lagged = True
             self.bus.unsubscribe(self)
             self._end()
+            return
+        self.queue.put_nowait(event)
 
     def _end(self) -> None:
-        # Room for the end marker: drop the oldest; the reader is told it lagged.
-        if self.queue.full():
-            self.queue.get_nowait()
-        self.queue.put_nowait(None)
+        if not self.ended:
+            self.ended = True
+            self.queue.put_nowait(None)
 
     def pending(self) -> list[Event]:
         """The events queued now, without waiting (the end marker stays queued)."""
@@ -95,9 +101,12 @@ class EventBus:
         self._failing: set[int] = set()  # listeners whose failure was logged (once each)
         self._subscriptions: set[Subscription] = set()
 
-    def publish(self, kind: str, **data: Any) -> Event:
+    def publish(self, kind: str, history: bool = True, **data: Any) -> Event:
+        """`history=False`: frequent events (each request) that should not push the rarer
+        ones (state, loads, reloads) out of what a reconnecting reader can replay."""
         event = Event(next(self._ids), time.time(), kind, data)
-        self._history.append(event)
+        if history:
+            self._history.append(event)
         for listener in self._listeners:
             try:
                 listener(event)
@@ -121,7 +130,7 @@ class EventBus:
             for event in self._history:
                 if event.id > after:
                     sub.offer(event)
-        if not sub.lagged:
+        if not sub.ended:
             self._subscriptions.add(sub)
         return sub
 

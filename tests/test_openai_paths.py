@@ -4,6 +4,8 @@ mode's management API as Open WebUI's llama.cpp connection uses it (GET /models 
 
 from __future__ import annotations
 
+import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,48 @@ def test_a_path_the_child_lacks_is_its_404_in_the_openai_shape(corral):
     assert set(resp.json()["error"]) == {"message", "type", "code", "param"}
     # A GET under /v1 that is not corral's own: 404, not 405.
     assert corral.http.get("/v1/no/such/thing").status_code == 404
+
+
+def raw_post(corral: Corral, target: str, body: bytes) -> tuple[int, bytes]:
+    """A POST with the request target exactly as given: HTTP clients normalise dot segments
+    before sending, an attacker's client does not."""
+    host, port = corral.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer user-key\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), rest
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/../tokenize", "/v1/..%2Ftokenize", "/v1/x/%2e%2e/%2e%2e/tokenize",
+    "/v1/%252e%252e/tokenize", "/v1/..%2Fslots%2F0%3Faction=erase", "/v1/..%2Fprops",
+    "/v1/..%2Fv1%2Fchat%2Fcompletions", "/v1//chat/completions", "/v1/chat/completions%3Fx=1",
+    "/v1/load_lora_adapter",
+])
+def test_a_path_that_would_reach_another_endpoint_of_the_child_never_leaves(corral, target):
+    status, body = raw_post(corral, target, json.dumps(
+        {"model": "tiny-b", "messages": HI, "content": "hi"}).encode())
+    # Not relayed: the child's /tokenize, /slots or /props answer 200 (or 501) to these.
+    assert status in (400, 404), (status, body[:300])
+    assert corral.model("tiny-b")["state"] == "stopped"  # nothing started for it
+
+
+def test_odd_content_shapes_on_every_chat_path_are_400s_or_answers_never_500s(corral):
+    odd = [{"role": "user", "content": [{"type": ["image_url"]}, {"type": {"a": 1}}, 5]}]
+    for path, body in (("/v1/responses", {"input": odd}), ("/v1/messages", {"messages": odd}),
+                       ("/v1/responses", {"input": "x", "instructions": 5})):
+        resp = post(corral, path, model="tiny-a", max_tokens=2, max_output_tokens=2, **body)
+        assert resp.status_code < 500 or resp.json()["error"]["code"] == "upstream_error", (
+            path, resp.text)
+    # An image in the Responses and Messages shapes counts as one too.
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]
+    refused = post(corral, "/v1/responses", model="tiny-b", input=image)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "vision_unsupported"
 
 
 def test_capabilities_are_listed_and_enforced_before_anything_starts(corral):
@@ -140,7 +184,9 @@ def test_a_group_loads_its_members_and_a_failed_model_says_so(corral):
                       timeout=15)
     status = router_models(corral)["broken"]["status"]
     # llama.cpp's shape for a model whose load failed.
-    assert status["value"] == "unloaded" and status["failed"] is True and status["error"]
+    assert status == {"value": "unloaded", "failed": True}
+    # Why is the operator's to read (it may quote the child's log).
+    assert corral.model("broken")["last_error"]
 
 
 def test_router_endpoints_refuse_bad_input_in_the_openai_shape(corral):

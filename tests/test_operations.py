@@ -151,7 +151,7 @@ def test_requests_are_counted_by_model_endpoint_and_status_with_bounded_labels(c
     text = corral.http.get("/metrics").text
     assert "corral_evil" not in text and "made/up" not in text
     # What is true now: loaded state and memory per model.
-    assert sample(after, "corral_model_state", model="tiny-b", instance="tiny-b",
+    assert sample(after, "corral_model_state", model="tiny-b", replica="tiny-b",
                   state="ready") == 1
     assert sample(after, "corral_in_flight", model="tiny-b") == 0
     assert any(name == "corral_model_memory_bytes" and dict(labels)["model"] == "tiny-b"
@@ -279,6 +279,7 @@ def test_events_tell_a_load_with_its_progress_and_a_stop_with_its_reason(corral)
 
 
 def test_events_filter_by_kind_and_replay_from_an_id(corral):
+    unload(corral, "tiny-c")
     reader = EventReader(corral, "?kinds=request")
     try:
         corral.chat("tiny-a", max_tokens=1)
@@ -286,18 +287,31 @@ def test_events_filter_by_kind_and_replay_from_an_id(corral):
     finally:
         reader.close()
     assert {k for k, _ in reader.events} == {"request"}
-    first = reader.ids[0]
-    # A reconnecting reader gives its last id (Last-Event-ID) and gets what it missed.
+    before = reader.ids[-1]
+    corral.http.post("/admin/models/tiny-c/load")
+    corral.chat("tiny-a", max_tokens=1)
+    # A reconnecting reader gives its last id (Last-Event-ID) and gets what it missed from
+    # history: the state changes and loads, not every request (those would crowd them out).
+    replayed: list[tuple[int, str]] = []
     with httpx.stream("GET", corral.url + "/admin/events",
-                      headers={"Last-Event-ID": str(first - 1)}, timeout=10) as resp:
+                      headers={"Last-Event-ID": str(before)}, timeout=10) as resp:
+        event_id = None
         for line in resp.iter_lines():
             if line.startswith("id: "):
-                assert int(line[4:]) == first
-                break
+                event_id = int(line[4:])
+            elif line.startswith("event: ") and event_id is not None:
+                replayed.append((event_id, line[7:]))
+                if line[7:] == "loaded":
+                    break
+    assert replayed and all(i > before for i, _ in replayed)
+    kinds = [k for _, k in replayed]
+    assert "request" not in kinds and {"state", "load", "loaded"} <= set(kinds), kinds
 
 
 def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listener():
     bus = EventBus(history=10)
+    assert bus.publish("quiet", history=False).id == 1  # ids count, history skips it
+    assert bus.recent() == []
     seen: list[str] = []
 
     def broken(_event: Any) -> None:
@@ -310,7 +324,10 @@ def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listen
         bus.publish("tick", n=i)
     assert len(seen) == 1001  # the broken listener did not stop the next one
     assert slow.lagged and bus.subscribers == 0
-    replay = bus.subscribe(after=996)  # ids count from 1: tick n has id n + 1
+    # Cut off with every event it had room for, none dropped for the end marker: it resumes
+    # (Last-Event-ID) right after the last one it got.
+    assert [e.data["n"] for e in slow.pending()] == list(range(1000))
+    replay = bus.subscribe(after=997)  # ids count from 1 ("quiet"): tick n has id n + 2
     assert [e.data["n"] for e in replay.pending()] == [996, 997, 998, 999, 1000]
 
 
@@ -423,3 +440,58 @@ def test_a_failed_load_after_the_progress_began_is_an_error_event(corral, tmp_pa
     assert error["code"] == "model_start_failed" and "request id" in error["message"], error
     assert text.rstrip().endswith("data: [DONE]")
     assert request_lines(corral, "slow-progress")[-1]["status"] == 502
+
+
+def test_a_lease_granted_as_the_client_hangs_up_goes_back():
+    """The slot comes free and the client leaves in the same moment: whichever way that
+    race goes (the acquire may even swallow the cancel and return its lease), the lease is
+    given back; every interleaving within a few loop turns is tried."""
+    from aiohttp import web
+
+    from corral.proxy.progress import ProgressStream
+
+    class FakeLease:
+        def __init__(self, daemon: FakeDaemon) -> None:
+            self.daemon = daemon
+
+        def release(self) -> None:
+            self.daemon.released += 1
+            self.daemon.slots.release()
+
+    class FakeDaemon:  # only what ProgressStream.acquire touches
+        def __init__(self) -> None:
+            self.events = EventBus()
+            self.instances: dict[str, Any] = {}
+            self.slots = asyncio.Semaphore(0)
+            self.granted = self.released = 0
+
+        async def acquire(self, _model: str) -> FakeLease:
+            # As Instance.take_slot waits for a slot when every slot is taken.
+            await asyncio.wait_for(self.slots.acquire(), 30)
+            self.granted += 1
+            return FakeLease(self)
+
+    async def race(turns: int) -> FakeDaemon:
+        daemon = FakeDaemon()
+        stream = ProgressStream.__new__(ProgressStream)
+        stream.model, stream.response = "m", web.StreamResponse()
+        handler = asyncio.ensure_future(stream.acquire(daemon))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        daemon.slots.release()  # a slot frees up for this waiter...
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        handler.cancel()  # ...as the client hangs up
+        try:
+            lease = await handler
+            lease.release()  # it won the race: the caller holds it, and gives it back
+        except asyncio.CancelledError:
+            pass
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return daemon
+
+    for turns in range(4):
+        daemon = asyncio.run(race(turns))
+        assert daemon.released == daemon.granted, (turns, daemon.granted, daemon.released)
+        assert daemon.slots._value == 1, turns  # the slot is free again

@@ -94,11 +94,12 @@ def test_prometheus_scrapes_corral_and_stores_its_series(scraped):
     # Histograms arrive whole: buckets, sum and count, usable by histogram_quantile.
     assert value(url, 'corral_request_duration_seconds_count{model="tiny-a"}') == 3
     p50 = value(url, 'histogram_quantile(0.5, corral_time_to_first_token_seconds_bucket'
-                     '{model="tiny-a"})')
+                     '{model="tiny-b"})')  # streams only: tiny-b's was one
     assert p50 is not None and 0 < p50 < 10, p50
-    assert value(url, 'corral_model_state{model="tiny-a",state="ready"}') == 1
+    # Our labels arrive as ours (an `instance` label would have been renamed by Prometheus).
+    assert value(url, 'corral_model_state{model="tiny-a",replica="tiny-a",state="ready"}') == 1
     assert value(url, 'corral_in_flight{model="tiny-a"}') == 0
-    memory = query(url, 'corral_model_memory_bytes{model="tiny-a"}')
+    memory = query(url, 'corral_model_memory_bytes{model="tiny-a",replica="tiny-a"}')
     assert memory and float(memory[0]["value"][1]) > 0
     # Nothing corral exports breaks Prometheus's naming rules (it would have refused them);
     # every series has the corral_ prefix.
