@@ -136,7 +136,15 @@ def readme_curl_body() -> dict[str, Any]:
     return body
 
 
-def test_readme_curl_answers_paris_from_the_embedded_default_within_10_s(smol_model, tmp_path):
+def readme_sdk_example() -> str:
+    """README's first Python example (the OpenAI SDK, streaming), exactly as printed."""
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"```python\n(from openai import OpenAI.*?)```", text, re.S)
+    assert match, "README's SDK example is gone"
+    return match.group(1)
+
+
+def test_readme_examples_answer_paris_from_the_embedded_default_within_10_s(smol_model, tmp_path):
     body = readme_curl_body()
     assert body["model"] == smol_model.stem
     port = free_port()
@@ -164,6 +172,12 @@ def test_readme_curl_answers_paris_from_the_embedded_default_within_10_s(smol_mo
         # Cold start included: the model loads for this request.
         assert "Paris" in answer and took < 10, (took, answer)
         assert resp.json()["usage"]["completion_tokens"] <= 128  # the profile's cap
+        # README's SDK example, as printed but for the port: streamed, it says Paris too.
+        code = readme_sdk_example().replace("http://127.0.0.1:8080", url)
+        printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 timeout=60)
+        assert printed.returncode == 0, printed.stderr
+        assert "Paris" in printed.stdout, printed.stdout
     finally:
         proc.terminate()
         proc.wait(30)
