@@ -122,12 +122,16 @@ def test_the_page_shows_models_live_and_loads_and_unloads_them(
     expect(page.locator('#events li[data-kind="request"]')).to_have_count(1)
 
     # A dropped stream (cut here from the page's side: `abort` is its stream's controller)
-    # comes back after its back-off and replays what it missed by Last-Event-ID.
+    # comes back after its back-off and replays what it missed by Last-Event-ID: the load
+    # of tiny-b meanwhile. Requests are live-only events (they would crowd the history):
+    # the page reads the request list again on reconnecting.
     page.evaluate("abort.abort()")
     expect(page.locator("#conn")).to_have_text("reconnecting…")
     assert corral.chat("tiny-a", max_tokens=3).status_code == 200
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert corral.http.post("/admin/models/tiny-b/load", headers=admin).status_code == 200
     expect(page.locator("#conn")).to_have_text("live")
-    expect(page.locator('#events li[data-kind="request"]')).to_have_count(2)
+    expect(page.locator('#events li[data-kind="loaded"]', has_text="tiny-b")).to_have_count(1)
     expect(requests).to_have_count(2)
 
     # The log tail of a model, on a click of its name.
