@@ -203,10 +203,14 @@ def _auth_middleware(daemon: Daemon) -> Any:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         admin_only, v1, worker = key_sets()
-        # /models: llama.cpp router's management API, which Open WebUI calls with the key it
-        # uses for /v1.
-        keys = admin_only if path.startswith("/admin") else v1 if path.startswith(
-            ("/v1/", "/models")) or path == "/v1" else worker if path.startswith("/peer") else []
+        # /metrics says what runs and what it holds: the operator's, like /admin. /models:
+        # llama.cpp router's management API, which Open WebUI calls with its /v1 key.
+        if path.startswith("/admin") or path == "/metrics":
+            keys = admin_only
+        elif path.startswith(("/v1/", "/models")) or path == "/v1":
+            keys = v1
+        else:
+            keys = worker if path.startswith("/peer") else []
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")

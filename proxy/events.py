@@ -4,8 +4,10 @@ latest requests with their timings. Both read the daemon's bus and never count a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
+import structlog
 from aiohttp import web
 
 from corral.proxy.accounting import Accounting
@@ -13,6 +15,9 @@ from corral.proxy.sse import KEEPALIVE, named, sse_headers
 from corral.supervisor.daemon import Daemon
 
 _KEEPALIVE_EVERY = 15.0
+_WRITE_TIMEOUT = 30.0
+
+log = structlog.get_logger("corral.proxy")
 
 
 def add_routes(app: web.Application, daemon_key: web.AppKey[Daemon],
@@ -25,27 +30,37 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Daemon],
         after = _int(request.headers.get("Last-Event-ID") or request.query.get("since"))
         sub = bus.subscribe(after=after, kinds=wanted)
         response = web.StreamResponse(headers=sse_headers())
+
+        async def send(data: bytes) -> None:
+            # A reader that stops reading (its socket buffer full) must not pin this handler.
+            async with asyncio.timeout(_WRITE_TIMEOUT):
+                await response.write(data)
+
         try:
             await response.prepare(request)
-            await response.write(b"retry: 2000\n\n")
+            await send(b"retry: 2000\n\n")
             while True:
                 try:
                     event = await sub.next(_KEEPALIVE_EVERY)
                 except StopAsyncIteration:
                     break
                 if event is None:
-                    await response.write(KEEPALIVE)
+                    await send(KEEPALIVE)
                     continue
-                await response.write(named(event.id, event.kind, event.as_dict()))
+                await send(named(event.id, event.kind, event.as_dict()))
             if sub.lagged:
                 # Fell a whole queue behind: told, and cut off; EventSource reconnects with
                 # Last-Event-ID and the history replays what it can.
                 # No id: the reader's last id stays the last event it got.
-                await response.write(b'event: lagged\ndata: {"kind": "lagged"}\n\n')
+                await send(b'event: lagged\ndata: {"kind": "lagged"}\n\n')
+        except TimeoutError:
+            log.info("events.reader_stuck", seconds=_WRITE_TIMEOUT)
+            return response  # aiohttp drops the connection: nothing more can be written
         finally:
             bus.unsubscribe(sub)
-        with contextlib.suppress(ConnectionResetError):
-            await response.write_eof()
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            async with asyncio.timeout(_WRITE_TIMEOUT):
+                await response.write_eof()
         return response
 
     async def recent(request: web.Request) -> web.Response:

@@ -29,7 +29,9 @@ def upstream_body(raw: bytes, body: dict[str, Any], canonical: str,
     like vLLM only know that)."""
     if body.get("model") == canonical and not changed:
         return raw
-    return json.dumps({**body, "model": canonical}).encode()
+    # Compact, and UTF-8 as it came: re-encoding must not grow the body (\u escapes).
+    return json.dumps({**body, "model": canonical}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
 
 
 def exposed_groups(daemon: Daemon) -> dict[str, GroupSpec]:

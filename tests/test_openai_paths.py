@@ -199,3 +199,7 @@ def test_router_endpoints_refuse_bad_input_in_the_openai_shape(corral):
     # Open WebUI calls them with its API key, like /v1; without one they are closed.
     assert httpx.get(corral.url + "/models").status_code == 401
     assert httpx.post(corral.url + "/models/load", json={"model": "tiny-a"}).status_code == 401
+    # /metrics says what runs and what it holds: the admin keys' (here the API keys', as no
+    # admin keys are set), like /admin.
+    assert httpx.get(corral.url + "/metrics").status_code == 401
+    assert corral.http.get("/metrics").status_code == 200
