@@ -1,5 +1,5 @@
-"""Admin API: state, load/unload, logs, memory, config and reload. Reads the supervisor's
-view; never counts as use."""
+"""Admin API: state, load/unload, logs, memory, config and reload, pulls. Reads the
+supervisor's view; never counts as use."""
 
 from __future__ import annotations
 
@@ -8,8 +8,20 @@ from typing import Any
 
 from aiohttp import web
 
+from corral.proxy.errors import ApiError
+from corral.proxy.validate import bad, parse_json_object
+from corral.supervisor import pull as pulling
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown
+
+# What each refusal of a pull means in HTTP: the request is wrong (400), or it clashes with
+# what is there or running (409).
+_PULL_REFUSALS: dict[type[pulling.PullError], tuple[int, str, str | None]] = {
+    pulling.BadSource: (400, "invalid_source", "source"),
+    pulling.NoModelsDir: (400, "no_models_dir", None),
+    pulling.ModelExists: (409, "model_exists", "name"),
+    pulling.PullRunning: (409, "pull_running", "name"),
+}
 
 
 def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
@@ -68,6 +80,67 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
     async def gguf(request: web.Request) -> web.Response:
         return web.json_response(await request.app[key].gguf_info(request.match_info["name"]))
 
+    async def start_pull(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        if daemon.closing:
+            raise ShuttingDown("corral is shutting down")
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as exc:
+            raise ApiError(400, f"could not read the request body: {exc}", "invalid_body") from exc
+        body = parse_json_object(raw)
+        source = body.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise bad("'source' is required: an http(s) URL or owner/repo:file.gguf", "source",
+                      "missing_source")
+        name, sha256, force = body.get("name"), body.get("sha256"), body.get("force", False)
+        for field, value in (("name", name), ("sha256", sha256)):
+            if value is not None and not isinstance(value, str):
+                raise bad(f"'{field}' must be a string", field)
+            try:
+                if field == "name" and value is not None:
+                    pulling.model_filename(value)
+                elif field == "sha256":
+                    pulling.check_sha256(value)
+            except pulling.BadSource as exc:
+                raise bad(str(exc), field) from None
+        if not isinstance(force, bool):
+            raise bad("'force' must be true or false", "force")
+        try:
+            # The download is the daemon's task: a client that hangs up does not stop it.
+            job = daemon.pulls.start(source, name=name, sha256=sha256, force=force)
+        except pulling.PullError as exc:
+            status, code, param = _PULL_REFUSALS.get(type(exc), (400, "invalid_source", None))
+            raise ApiError(status, str(exc), code, param=param) from None
+        return web.json_response({"pull": job.id, "file": job.file, "url": job.url,
+                                  "state": job.state}, status=202)
+
+    async def pulls(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"pulls": [job.as_dict() for job in request.app[key].pulls.jobs()]})
+
+    def job_of(request: web.Request) -> pulling.PullJob:
+        job = request.app[key].pulls.get(request.match_info["id"])
+        if job is None:
+            raise ApiError(404, f"no pull {request.match_info['id'][:100]!r} (GET /admin/pulls "
+                           "lists them)", "pull_not_found")
+        return job
+
+    async def one_pull(request: web.Request) -> web.Response:
+        return web.json_response(job_of(request).as_dict())
+
+    async def cancel_pull(request: web.Request) -> web.Response:
+        daemon = request.app[key]
+        job = job_of(request)
+        daemon.pulls.cancel(job.id)
+        # Until its file is closed: a pull started right after may take the same part.
+        await asyncio.shield(daemon.pulls.wait(job.id))
+        return web.json_response(job.as_dict())
+
+    app.router.add_post("/admin/pull", start_pull)
+    app.router.add_get("/admin/pulls", pulls)
+    app.router.add_get("/admin/pulls/{id}", one_pull)
+    app.router.add_delete("/admin/pulls/{id}", cancel_pull)
     app.router.add_post("/admin/models/{name}/rebalance", rebalance)
     app.router.add_get("/admin/models/{name}/gguf", gguf)
     app.router.add_get("/admin/memory", memory)

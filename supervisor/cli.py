@@ -1,6 +1,6 @@
-"""`corral serve | check | schema | fetch-demo`. `serve` is the composition root: it builds the
-daemon and the proxy app and wires them together (the one place supervisor/ reaches into
-proxy/)."""
+"""`corral serve | check | schema | fetch-demo | pull`. `serve` is the composition root: it
+builds the daemon and the proxy app and wires them together (the one place supervisor/ reaches
+into proxy/)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     fetch = sub.add_parser("fetch-demo", help=f"put {DEMO_FILE} into the models folder")
     fetch.add_argument("--models-dir", type=Path, default=Path("models"))
 
+    pull = sub.add_parser("pull", help="download a GGUF into the models folder (resumable)")
+    pull.add_argument("source", help="an http(s) URL, or a Hugging Face file: "
+                                     "owner/repo[@revision]:path/file.gguf")
+    pull.add_argument("--name", help="save as NAME.gguf (default: the file's own name)")
+    pull.add_argument("--sha256", help="refuse the file unless its sha256 is this")
+    pull.add_argument("-c", "--config", type=Path, help="use this config's models_dir")
+    pull.add_argument("--models-dir", type=Path,
+                      help="where to put it (default: the config's models_dir, else ./models)")
+    pull.add_argument("--force", action="store_true", help="replace a model file of that name")
+
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args.files)
@@ -78,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "fetch-demo":
         return _fetch_demo(args.models_dir)
+    if args.command == "pull":
+        return _pull(args)
     return _serve(args)
 
 
@@ -137,6 +149,86 @@ def _fetch_demo(models_dir: Path) -> int:
             partial.replace(target)
     print(f"{target}: fetched")
     return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    """`corral pull`: 0 once the verified file is in place, 1 with one `error:` line if not.
+    Interrupted (Ctrl-C, a dropped line past the retries), the part stays: the same command
+    resumes it."""
+    from corral.supervisor import pull
+
+    logs.configure("warning", "auto")  # retries and failures; the bar says the rest
+    models_dir: Path | None = args.models_dir
+    if models_dir is None and args.config is not None:
+        try:
+            models_dir = pull.models_dir_of(load_config(args.config))
+        except ConfigError as exc:
+            for issue in exc.issues:
+                print(f"error: {issue}", file=sys.stderr)
+            return 1
+        if models_dir is None:
+            print(f"error: {args.config} sets no models_dir: give --models-dir",
+                  file=sys.stderr)
+            return 1
+    bar = _ProgressBar(args.name or args.source.rsplit("/", 1)[-1], sys.stderr)
+    try:
+        source = pull.resolve_source(args.source, args.name)
+        bar.name = source.filename
+        result = asyncio.run(pull.pull(source, models_dir or Path("models"), sha256=args.sha256,
+                                       force=args.force, progress=bar))
+    except (pull.PullError, OSError) as exc:  # OSError: the disk (full, not writable)
+        print(f"\nerror: {exc}" if bar.drawn else f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    bar.done()
+    checked = {"given": "matches --sha256", "hub": "matches the hub's"}.get(
+        result.verified or "", "not checked against a published one")
+    print(f"{result.path}: {result.size} bytes, sha256 {result.sha256} ({checked})")
+    return 0
+
+
+class _ProgressBar:
+    """One `\\r`-rewritten line on a terminal (percent, MiB, MiB/s, ETA); elsewhere (a log, a
+    pipe) one plain line per 10 %, so a log is not flooded with carriage returns."""
+
+    def __init__(self, name: str, stream: Any):
+        self.name, self.stream = name, stream
+        self.tty = stream.isatty()
+        self.step = -1  # the last 10 % step printed (not on a terminal)
+        self.drawn = False
+
+    def __call__(self, downloaded: int, total: int | None, speed: float) -> None:
+        mib = downloaded / 2**20
+        rate = f"{speed / 2**20:.1f} MiB/s"
+        if total:
+            pct = 100 * downloaded / total
+            eta = f"ETA {_clock((total - downloaded) / speed)}" if speed > 0 else "ETA --:--"
+            line = f"{self.name}: {pct:5.1f}% {mib:.1f}/{total / 2**20:.1f} MiB {rate} {eta}"
+        else:
+            pct, line = 0.0, f"{self.name}: {mib:.1f} MiB {rate}"
+        if self.tty:
+            self.stream.write("\r" + line[:200].ljust(79))
+            self.drawn = True
+        elif total and int(pct // 10) > self.step:
+            self.step = int(pct // 10)
+            self.stream.write(line + "\n")
+        elif not total and int(mib // 100) > self.step:  # unknown size: every 100 MiB
+            self.step = int(mib // 100)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
 def _loader(args: argparse.Namespace) -> Callable[[], LoadedConfig]:

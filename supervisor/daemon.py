@@ -43,6 +43,7 @@ from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.memory.view import MIB, Footprint
+from corral.supervisor.pull import Puller
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.reservation import Reservation
 from corral.supervisor.rpc.deploy import RpcDeployer
@@ -59,6 +60,8 @@ class Daemon:
         self.loaded = loaded
         # What happens here, for /admin/events, metrics and the service manager.
         self.events = EventBus()
+        # Models being downloaded into models_dir (POST /admin/pull): tasks of their own.
+        self.pulls = Puller(self.events, lambda: self.loaded)
         # Kills the children's process groups if this daemon dies without stopping them.
         self._keeper = GroupKeeper()
         self._session: aiohttp.ClientSession | None = None
@@ -168,6 +171,7 @@ class Daemon:
             self._memory_task.cancel()
         for task in list(self._tasks):
             task.cancel()
+        await self.pulls.close()  # their parts stay, to be resumed
         # Stops are never cancelled: each ends with its process group gone.
         await asyncio.gather(*(i.stop("daemon shutdown", cause="shutdown") for i in self._everyone()
                                if i.state is not State.STOPPED), return_exceptions=True)
