@@ -69,6 +69,18 @@ def server_timing(resp: httpx.Response) -> dict[str, float]:
     return out
 
 
+def last_line(corral: Corral, model: str, rid: str | None = None) -> dict[str, Any]:
+    """The newest `proxy.request` line of `model` (of request `rid`), waited for: a stream's
+    line is written once its handler returns, which may be just after the client read the
+    end of the stream."""
+    def found() -> dict[str, Any] | None:
+        lines = [e for e in request_lines(corral, model)
+                 if rid is None or e.get("request_id") == rid]
+        return lines[-1] if lines else None
+    line: dict[str, Any] = wait_until(found, timeout=5)
+    return line
+
+
 def request_lines(corral: Corral, model: str) -> list[dict[str, Any]]:
     return [e for e in corral.log_events("proxy.request") if e.get("model") == model]
 
@@ -88,7 +100,7 @@ def test_a_cold_request_is_a_miss_and_says_what_the_start_cost(corral):
     # The wrapper sleeps 3 s before the real binary even starts: the start is most of the wait.
     assert timing["start"] >= SLOW_START * 1000, timing
     assert timing["queue"] < 1000 and 0 < timing["ttfb"] < 5000, timing
-    line = request_lines(corral, "slow")[-1]
+    line = last_line(corral, "slow", resp.headers["x-request-id"])
     assert line["hit"] is False and line["status"] == 200
     assert line["start_ms"] == pytest.approx(timing["start"], abs=0.2)
     assert line["tokens_out"] == 4 and line["tokens_in"] > 0
@@ -96,7 +108,7 @@ def test_a_cold_request_is_a_miss_and_says_what_the_start_cost(corral):
 
     again = corral.chat("slow", max_tokens=4)
     assert server_timing(again)["start"] == 0
-    assert request_lines(corral, "slow")[-1]["hit"] is True
+    assert last_line(corral, "slow", again.headers["x-request-id"])["hit"] is True
     after = metrics(corral)
     assert sample(after, "corral_model_misses_total", model="slow") \
         - sample(before, "corral_model_misses_total", model="slow") == 1
@@ -118,7 +130,7 @@ def test_a_stream_carries_server_timing_and_its_tokens_are_counted(corral):
         assert {"queue", "start", "ttfb"} <= set(server_timing(raw.http_response))
         chunks = [c for c in raw.parse() if c.choices and c.choices[0].delta.content]
     assert chunks  # byte-level tokens: some are half a character, and send no text
-    line = request_lines(corral, "tiny-a")[-1]
+    line = last_line(corral, "tiny-a", raw.http_response.headers["x-request-id"])
     assert line["stream"] is True and line["tokens_out"] == 12
     assert line["ttft_ms"] > 0 and line["tokens_per_s"] > 0
     after = metrics(corral)
@@ -359,7 +371,7 @@ def test_a_model_configured_for_it_streams_its_load_progress_before_the_answer(c
                      r"ready after \d\.\d s\.\n\n$", reasoning), reasoning
     assert "slow-progress ready after" in reasoning
     assert len(content) > 0
-    line = request_lines(corral, "slow-progress")[-1]
+    line = last_line(corral, "slow-progress", stream.response.headers["x-request-id"])
     assert line["status"] == 200 and line["hit"] is False and line["tokens_out"] == 6
 
 
@@ -439,7 +451,8 @@ def test_a_failed_load_after_the_progress_began_is_an_error_event(corral, tmp_pa
     error = events[-1]["error"]
     assert error["code"] == "model_start_failed" and "request id" in error["message"], error
     assert text.rstrip().endswith("data: [DONE]")
-    assert request_lines(corral, "slow-progress")[-1]["status"] == 502
+    assert wait_until(lambda: request_lines(corral, "slow-progress")[-1]["status"] == 502,
+                      timeout=5)
 
 
 def test_a_lease_granted_as_the_client_hangs_up_goes_back():
