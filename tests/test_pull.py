@@ -570,3 +570,12 @@ def test_the_daemons_puller_reports_progress_live_and_its_end_for_replay(
     assert 1 << 20 <= int(second["range"].removeprefix("bytes=").rstrip("-")) <= 1_500_000
     # Only the start and the end stay for a reader that reconnects.
     assert [e["state"] for e in replayed] == ["running", "done"]
+
+
+def test_a_host_that_does_not_resolve_fails_at_once(tmp_path: Path):
+    # Not retried like a dropped connection (5 times, ~30 s): a typo, or no network.
+    began = time.monotonic()
+    with pytest.raises(pull.PullError, match="cannot resolve"):
+        run(pull.resolve_source("http://corral-test.invalid/x.gguf"), tmp_path)
+    assert time.monotonic() - began < 5
+    assert leftovers(tmp_path) == []

@@ -186,6 +186,11 @@ class _Download:
                 if await self._attempt(session, part):
                     return
                 continue  # the server told us to start over: at once, not a failure
+            except aiohttp.ClientConnectorDNSError as exc:
+                # A name that does not resolve is a typo or no network, not a dropped
+                # connection: waiting half a minute to say so helps nobody.
+                raise PullError(f"{self.source.filename}: cannot resolve "
+                                f"{exc.host}: {_why(exc)}") from exc
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 # A failure after some progress starts a new streak: a long download may
                 # drop many times, as long as each attempt gets somewhere.
