@@ -3,9 +3,10 @@
 The folders of the files are watched, not the files: editors save by writing a new file and
 renaming it over the old one, which a watch on the old file's inode never sees. A burst of
 writes (an editor's save, a `cp` in pieces) becomes one reload: watchfiles yields once no
-change has come for `step_ms`. A reload that still catches a file half written fails
-validation (an empty file is refused too) and keeps the running config; the write's next event
-reloads again. After each reload the set of files is looked at again, since an
+change has come for `step_ms`. A file found empty is read again for a moment (a save in
+place truncates, then writes) before the reload refuses it. A reload that still catches a file
+half written fails validation and keeps the running config; the write's next event reloads
+again. After each reload the set of files is looked at again, since an
 edit may add or drop an include.
 
 `watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its

@@ -53,6 +53,10 @@ from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
 
+# How long a config file the watcher saw change may stay empty before the reload reports it:
+# an in-place save truncates first, then writes.
+EMPTY_SAVE_GRACE_S = 0.5
+
 
 class Daemon:
     def __init__(self, loaded: LoadedConfig, state_file: Path,
@@ -1009,8 +1013,7 @@ class Daemon:
             started = time.monotonic()
             self.events.publish("reloading", trigger=trigger)
             try:
-                # In a thread: parsing a large config must not stall the streams being relayed.
-                new = await asyncio.to_thread(self._config_loader)
+                new = await self._read_config(trigger)
             except ConfigError as exc:
                 return self._note_reload(reloading.ReloadAttempt.failed(
                     trigger, started, exc.issues, exc.files))
@@ -1020,9 +1023,9 @@ class Daemon:
                                     f"reload failed: {type(exc).__name__}: {exc}")
                 return self._note_reload(reloading.ReloadAttempt.failed(
                     trigger, started, [issue], self.loaded.files))
-            if new.source is not None and not any(len(loc) == 1 for loc in new.lines):
-                # Most likely a save caught halfway (truncated, not yet written), not a wish to
-                # remove every model: that is written `models: {}`.
+            if _is_empty(new):
+                # Still empty after the grace: not a save caught halfway, yet not a wish to
+                # remove every model either; that is written `models: {}`.
                 issue = ConfigIssue(str(new.source), None, "",
                                     "the config file is empty; not applied (write `models: {}` "
                                     "to remove every model)")
@@ -1041,6 +1044,19 @@ class Daemon:
                 self._config_since = time.time()
                 self._generation += 1
             return self._note_reload(reloading.ReloadAttempt.applied(trigger, started, plan, new))
+
+    async def _read_config(self, trigger: str) -> LoadedConfig:
+        """The config as the files hold it now. A file seen empty just after the watcher saw it
+        change is most often a save caught between truncating and writing (an editor writing in
+        place): read again for a moment rather than report a failed reload for every save."""
+        # In a thread: parsing a large config must not stall the streams being relayed.
+        new = await asyncio.to_thread(self._config_loader)
+        waited = 0.0
+        while trigger == "file" and _is_empty(new) and waited < EMPTY_SAVE_GRACE_S:
+            await asyncio.sleep(0.05)
+            waited += 0.05
+            new = await asyncio.to_thread(self._config_loader)
+        return new
 
     def _note_reload(self, attempt: reloading.ReloadAttempt) -> reloading.ReloadAttempt:
         self.last_reload = attempt
@@ -1243,6 +1259,11 @@ class Daemon:
                 self._changed.fire()
 
         self._spawn_task(restart())
+
+
+def _is_empty(loaded: LoadedConfig) -> bool:
+    """A config file with no top-level key at all (the embedded default has no file)."""
+    return loaded.source is not None and not any(len(loc) == 1 for loc in loaded.lines)
 
 
 def _mib(n: int) -> float:

@@ -566,6 +566,31 @@ def test_broken_yaml_keeps_the_running_config_and_shows_file_and_line(corral):
     _untouched(corral, pids, spawned)
 
 
+def test_a_save_in_place_caught_empty_is_read_again_and_a_file_left_empty_is_refused(corral):
+    corral, setup = corral
+    pids, spawned = _loaded_now(corral, ["tiny-a"])
+    config = setup.main()
+    config["models"]["tiny-a"]["ttl"] = 301
+    text = yaml.safe_dump(config)
+    # An editor saving in place: truncated, then written a moment later (here 0.2 s, far longer
+    # than a real save, so the watcher sees the empty file for sure).
+    since = write(corral.config_path, "")
+    time.sleep(0.2)
+    corral.config_path.write_text(text)
+    attempt = wait_reload(corral, since)
+    assert attempt["ok"], attempt
+    assert admin_config(corral)["active"]["config"]["models"]["tiny-a"]["ttl"] == 301
+    settle(corral)
+    assert all(a["ok"] for a in admin_config(corral)["recent_reloads"] if a["at"] > since)
+    # Left empty: refused after the grace, with a word on how to remove every model.
+    active = admin_config(corral)["active"]
+    attempt = wait_reload(corral, write(corral.config_path, ""))
+    assert not attempt["ok"] and "config file is empty" in attempt["issues"][0]["message"]
+    assert "models: {}" in attempt["issues"][0]["message"]
+    assert admin_config(corral)["active"]["hash"] == active["hash"]
+    _untouched(corral, pids, spawned)
+
+
 def test_included_file_is_watched_and_its_errors_name_it(corral):
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-c"])
@@ -653,6 +678,12 @@ def test_reload_storm(start_corral: CorralFactory, tiny_models: dict[str, Path])
         if i >= flip_at:
             config["models"]["tiny-c"]["ctx"] = 4096
         if i == broken_at:
+            # The last edit applied first: its reload may still be running (this box has two
+            # cores and five busy clients), and then it would be the attempt waited for below.
+            last_ttl = config["models"]["tiny-a"]["ttl"] - 1
+            wait_until(lambda: admin_config(corral)["active"]["config"]["models"]["tiny-a"]
+                       ["ttl"] == last_ttl, timeout=15)  # noqa: B023 (called at once)
+            settle(corral, quiet=0.3)
             good = admin_config(corral)["active"]
             attempt = wait_reload(corral, write(corral.config_path, "models:\n  tiny-a: [\n"))
             assert not attempt["ok"] and attempt["issues"][0]["line"] is not None
