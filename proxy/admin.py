@@ -15,12 +15,13 @@ from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown
 
 # What each refusal of a pull means in HTTP: the request is wrong (400), or it clashes with
-# what is there or running (409).
+# what is there or running (409), or as many pulls run as may (429).
 _PULL_REFUSALS: dict[type[pulling.PullError], tuple[int, str, str | None]] = {
     pulling.BadSource: (400, "invalid_source", "source"),
     pulling.NoModelsDir: (400, "no_models_dir", None),
     pulling.ModelExists: (409, "model_exists", "name"),
     pulling.PullRunning: (409, "pull_running", "name"),
+    pulling.TooManyPulls: (429, "too_many_pulls", None),
 }
 
 
@@ -111,7 +112,9 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
             job = daemon.pulls.start(source, name=name, sha256=sha256, force=force)
         except pulling.PullError as exc:
             status, code, param = _PULL_REFUSALS.get(type(exc), (400, "invalid_source", None))
-            raise ApiError(status, str(exc), code, param=param) from None
+            raise ApiError(status, str(exc), code, param=param,
+                           kind="rate_limit_error" if status == 429 else "invalid_request_error",
+                           ) from None
         return web.json_response({"pull": job.id, "file": job.file, "url": job.url,
                                   "state": job.state}, status=202)
 

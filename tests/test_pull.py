@@ -8,6 +8,7 @@ No network beyond 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,15 @@ class Server:
         self.requests: list[dict[str, Any]] = []
         self.blobs: dict[str, bytes] = {}
         self.cut_once: dict[str, int] = {}  # name → bytes sent before the connection drops
+        self.cut_always: dict[str, int] = {}  # the same, on every answer
         self.stall: dict[str, int] = {}  # name → bytes sent before it goes silent
         self.linked_etag: dict[str, str] = {}  # name → the hub's X-Linked-Etag
+        # Broken servers: `wrong_range` answers every Range with bytes from 0; `endless`
+        # answers a Range with the right Content-Range, then never stops sending; `flood`
+        # answers 200 with no Content-Length and never stops.
+        self.wrong_range: set[str] = set()
+        self.endless: set[str] = set()
+        self.flood: set[str] = set()
         self.port, self.cdn_port = free_port(), free_port()
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
@@ -133,14 +141,24 @@ class Server:
             status = 206
         headers = {"ETag": etag, "Last-Modified": OLD_DATE, "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
+        if name in self.wrong_range and status == 206:
+            start = 0
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         resp = web.StreamResponse(status=status, headers=headers)
+        if (name in self.endless and status == 206) or name in self.flood:
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            with contextlib.suppress(ConnectionError):  # until the client gives up
+                await resp.write(data[start:])
+                while True:
+                    await resp.write(b"\0" * 65536)
+            return resp
         resp.content_length = len(data) - start
         await resp.prepare(request)
         body = data[start:]
-        if name in self.cut_once:
-            await resp.write(body[:self.cut_once.pop(name)])
+        if name in self.cut_once or name in self.cut_always:
+            await resp.write(body[:self.cut_once.pop(name, None) or self.cut_always[name]])
             assert request.transport is not None
             request.transport.close()  # the line drops: Content-Length promised more
             return resp
@@ -168,8 +186,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def server(served: Server) -> Server:
     served.requests.clear()
     served.cut_once.clear()
+    served.cut_always.clear()
     served.stall.clear()
     served.linked_etag.clear()
+    served.wrong_range.clear()
+    served.endless.clear()
+    served.flood.clear()
     return served
 
 
@@ -293,6 +315,70 @@ def test_a_part_already_whole_is_finished_without_downloading_again(server: Serv
     result = run(pull.resolve_source(url), tmp_path, sha256=sha(data))
     assert server.requests[-1]["range"] == f"bytes={len(data)}-"  # answered 416
     assert result.sha256 == sha(data) and leftovers(tmp_path) == ["tiny.gguf"]
+
+
+def test_a_server_whose_ranges_never_fit_is_given_up_on(server: Server, tmp_path: Path) -> None:
+    data = server.blobs["tiny.gguf"]
+    server.blobs["ranges.gguf"] = data
+    server.wrong_range.add("ranges.gguf")
+    server.cut_always["ranges.gguf"] = 100_000  # every answer drops; every resume is refused
+    with pytest.raises(pull.PullError, match="Range support is broken"):
+        run(pull.resolve_source(server.url("/blob/ranges.gguf")), tmp_path)
+    # Start, drop, resume (a wrong range: start over), ... a few times, not forever.
+    asked = [r["range"] for r in server.seen("/blob/ranges.gguf")]
+    assert asked == [None, "bytes=100000-"] * (pull.download.RESTARTS + 1), asked
+    assert leftovers(tmp_path) == []
+
+
+def test_a_server_that_sends_more_than_it_announced_is_cut_off(server: Server,
+                                                               tmp_path: Path) -> None:
+    data = server.blobs["tiny.gguf"]
+    server.blobs["endless.gguf"] = data
+    server.cut_once["endless.gguf"] = 100_000  # the resume's 206 announces the size, then floods
+    server.endless.add("endless.gguf")
+    began = time.monotonic()
+    with pytest.raises(pull.PullError, match=f"more than the {len(data)} bytes it announced"):
+        run(pull.resolve_source(server.url("/blob/endless.gguf")), tmp_path)
+    assert time.monotonic() - began < 10
+    assert leftovers(tmp_path) == []  # its bytes are not worth resuming from
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """A real small filesystem (tmpfs; CI runs as root) to fill up."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       check=True)
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_file_that_does_not_fit_is_refused_before_its_first_byte(
+        server: Server, small_disk: Callable[[str], Path]) -> None:
+    disk = small_disk("256k")  # the model is ~0.5 MB
+    with pytest.raises(pull.NoSpace, match=r"not enough space .*\(nothing was kept\)"):
+        run(pull.resolve_source(server.url("/blob/tiny.gguf")), disk)
+    assert leftovers(disk) == []
+
+
+def test_a_download_of_unknown_size_stops_at_the_reserve(server: Server,
+                                                         small_disk: Callable[[str], Path]) -> None:
+    disk = small_disk("3m")
+    server.blobs["flood.gguf"] = server.blobs["tiny.gguf"]
+    server.flood.add("flood.gguf")
+    with pytest.raises(pull.NoSpace, match="bytes kept; free space and pull again"):
+        run(pull.resolve_source(server.url("/blob/flood.gguf")), disk)
+    free = os.statvfs(disk)
+    assert free.f_bavail * free.f_frsize >= (3 << 20) // 20  # the reserve stayed free
+    assert (disk / ".flood.gguf.part").stat().st_size >= 1 << 20  # kept for a resume
 
 
 def test_a_bad_checksum_leaves_nothing_behind(server: Server, tmp_path: Path) -> None:
@@ -433,16 +519,20 @@ def test_corral_pull_end_to_end(server: Server, tmp_path: Path) -> None:
 
 # -- POST /admin/pull ----------------------------------------------------------------------------
 
-def pull_events(url: str, until: set[str], timeout: float = 20) -> list[dict[str, Any]]:
-    """The `pull` events from the start of history until one reaches a state in `until`."""
+def pull_events(url: str, until: set[str], timeout: float = 20,
+                pull_id: str | None = None) -> list[dict[str, Any]]:
+    """The `pull` events (of one pull, if given) from the start of history until one reaches
+    a state in `until`."""
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     with httpx.stream("GET", url + "/admin/events?kinds=pull&since=0", timeout=timeout) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-                if events[-1]["state"] in until:
-                    return events
+                event = json.loads(line[6:])
+                if pull_id in (None, event["id"]):
+                    events.append(event)
+                    if event["state"] in until:
+                        return events
             assert time.monotonic() < deadline, events
     raise AssertionError(events)
 
@@ -515,9 +605,22 @@ def test_admin_pull_cancels_and_shutdown_keeps_the_part(
     # One pull per file at a time.
     again = corral.http.post("/admin/pull", json={"source": url})
     assert (again.status_code, again.json()["error"]["code"]) == (409, "pull_running")
+    # At most MAX_RUNNING at once: a client looping on POST gets 429s, not a download each.
+    others = []
+    for n in range(pull.jobs.MAX_RUNNING - 1):
+        server.blobs[f"other{n}.gguf"] = server.blobs["tiny.gguf"]
+        server.stall[f"other{n}.gguf"] = 10_000
+        resp = corral.http.post("/admin/pull", json={"source": server.url(f"/blob/other{n}.gguf")})
+        assert resp.status_code == 202, resp.text
+        others.append(resp.json()["pull"])
+    refused = corral.http.post("/admin/pull", json={"source": server.url("/blob/one-more.gguf")})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "too_many_pulls")
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    for other in others:
+        assert corral.http.delete(f"/admin/pulls/{other}").status_code == 200
     cancelled = corral.http.delete(f"/admin/pulls/{first}")
     assert (cancelled.status_code, cancelled.json()["state"]) == (200, "cancelled")
-    assert pull_events(corral.url, {"cancelled"})[-1]["downloaded"] == 30_000
+    assert pull_events(corral.url, {"cancelled"}, pull_id=first)[-1]["downloaded"] == 30_000
     assert part.stat().st_size == 30_000 and not (models / "tiny.gguf").exists()
 
     # Resumed by the next pull, which the daemon's shutdown cancels: it stops promptly and

@@ -6,6 +6,11 @@ a file that changed upstream starts over instead of splicing two versions. A dro
 resumes by itself (RETRIES times in a row without progress, with back-off); a cancelled pull
 (Ctrl-C, DELETE /admin/pulls/{id}) keeps its part for the next attempt.
 
+A server that answers every resume with a range it was not asked for starts over at most
+RESTARTS times; one that sends more than it announced is cut off at once. The disk
+keeps a reserve free (RESERVE_BYTES, or 5 % of a small disk): a file that does not fit is
+refused before its first byte when its size is known, and stopped at the reserve otherwise.
+
 Only a whole, verified file becomes a model: the GGUF magic (checked on the first bytes too, so
 an HTML error page served with 200 fails at once), the size the server announced, and the
 sha256 when one is known (given, or the Hugging Face hub's `X-Linked-Etag` for LFS files). A
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from corral.supervisor.pull.part import _Part, _place
 from corral.supervisor.pull.source import (
     ChecksumMismatch,
     ModelExists,
+    NoSpace,
     NotGguf,
     PullError,
     Source,
@@ -43,6 +50,8 @@ log = structlog.get_logger("corral.pull")
 
 GGUF_MAGIC = b"GGUF"
 RETRIES = 5  # failed attempts in a row (no byte gained) before a pull gives up
+RESTARTS = 3  # starts over (ranges that do not fit) before a pull gives up
+RESERVE_BYTES = 512 << 20  # left free on the models_dir's disk (at most 5 % of it)
 BACKOFF_S = 1.0  # first wait before a retry; doubles, at most BACKOFF_MAX_S
 BACKOFF_MAX_S = 30.0
 CONNECT_TIMEOUT_S = 30.0
@@ -179,13 +188,21 @@ class _Download:
     async def _fetch(self, session: aiohttp.ClientSession, part: _Part, retries: int,
                      backoff: float) -> None:
         """Until the part holds the whole file: resume after drops, start over when told."""
-        failures = 0
+        failures = restarts = 0
         while True:
             before = part.size
             try:
                 if await self._attempt(session, part):
                     return
-                continue  # the server told us to start over: at once, not a failure
+                # The server told us to start over: at once, not a failure; but a server
+                # whose every answer does not fit would have us start over forever.
+                restarts += 1
+                if restarts > RESTARTS:
+                    raise PullError(f"{self.source.filename}: the server answered {restarts} "
+                                    "resumes with a range that does not fit the file; "
+                                    "its Range support is broken (the partial download was "
+                                    "deleted)")
+                continue
             except aiohttp.ClientConnectorDNSError as exc:
                 # A name that does not resolve is a typo or no network, not a dropped
                 # connection: waiting half a minute to say so helps nobody.
@@ -252,14 +269,25 @@ class _Download:
             part.save_meta({"url": self.source.url, "etag": resp.headers.get("ETag"),
                             "last_modified": resp.headers.get("Last-Modified"),
                             "total": self.total})
+            self._check_room(part, 0)  # the whole rest, when its size is known
             await self._receive(resp, part)
         if self.total is not None and part.size < self.total:
             raise _Transient(f"connection ended at {part.size} of {self.total} bytes")
-        if self.total is not None and part.size > self.total:
-            await part.run(part.restart)
-            raise PullError(f"{self.source.filename}: the server sent more bytes than it "
-                            "announced; the partial download was deleted")
         return True
+
+    def _check_room(self, part: _Part, pending: int) -> None:
+        """Raise NoSpace when the rest of the file (or, its size unknown, the bytes about to be
+        written) would leave less than the reserve free."""
+        usage = shutil.disk_usage(self.models_dir)
+        reserve = min(RESERVE_BYTES, usage.total // 20)
+        need = self.total - part.size if self.total is not None else pending
+        if usage.free - need >= reserve:
+            return
+        kept = f"{part.size} bytes kept; free space and pull again to resume" if part.size \
+            else "nothing was kept"
+        raise NoSpace(f"{self.source.filename}: not enough space in {self.models_dir}: "
+                      f"{_size(need)} more needed, {_size(usage.free)} free, of which "
+                      f"{_size(reserve)} stays free ({kept})")
 
     async def _get(self, session: aiohttp.ClientSession,
                    headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -312,7 +340,19 @@ class _Download:
                         buffer.clear()
                         raise NotGguf(self._not_gguf(resp, head))
                     check = False
+                if self.total is not None and part.size + len(buffer) > self.total:
+                    # Cut off here: a server that does not stop must not fill the disk.
+                    buffer.clear()
+                    await part.run(part.restart)
+                    raise PullError(f"{self.source.filename}: the server sent more than the "
+                                    f"{self.total} bytes it announced; the partial download "
+                                    "was deleted")
                 if len(buffer) >= _WRITE_AT:
+                    try:
+                        self._check_room(part, len(buffer))
+                    except NoSpace:
+                        buffer.clear()  # no room for it either
+                        raise
                     await part.run(part.write, bytes(buffer))
                     buffer.clear()
                 self.meter(part.size + len(buffer), self.total)
@@ -361,6 +401,17 @@ def _loggable(url: str) -> str:
     parsed = URL(url, encoded=True)
     return str(parsed.with_user(None).with_query(None)) + ("?..." if parsed.raw_query_string
                                                            else "")
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} bytes"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
 
 
 def _why(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from corral.supervisor.pull.source import (
     PullError,
     PullRunning,
     Source,
+    TooManyPulls,
     check_sha256,
     models_dir_of,
     resolve_source,
@@ -33,6 +34,9 @@ log = structlog.get_logger("corral.pull")
 
 PULL_STATES = ("running", "done", "failed", "cancelled")
 _KEEP_FINISHED = 50
+# Pulls that run at once: each holds a connection, a writer thread and a file open, and they
+# share one link; a client looping on POST /admin/pull gets 429s, not a thousand downloads.
+MAX_RUNNING = 4
 
 
 @dataclass(eq=False)
@@ -65,8 +69,9 @@ class Puller:
     (live only)."""
 
     def __init__(self, events: EventBus, loaded: Callable[[], LoadedConfig],
-                 event_every: float = 1.0):
+                 event_every: float = 1.0, max_running: int = MAX_RUNNING):
         self.events = events
+        self.max_running = max_running
         self._loaded = loaded  # models_dir may change with a reload: read at each pull
         self._event_every = event_every
         self._jobs: dict[str, PullJob] = {}
@@ -77,16 +82,20 @@ class Puller:
 
     def start(self, spec: str, *, name: str | None = None, sha256: str | None = None,
               force: bool = False) -> PullJob:
-        """Check the request and start the pull; raises BadSource, NoModelsDir, ModelExists or
-        PullRunning before anything is downloaded."""
+        """Check the request and start the pull; raises BadSource, NoModelsDir, ModelExists,
+        PullRunning or TooManyPulls before anything is downloaded."""
         source = resolve_source(spec, name)
         expected = check_sha256(sha256)
         folder = self.models_dir()
         if folder is None:
             raise NoModelsDir("the config sets no models_dir: nowhere to put the file "
                               "(set models_dir, or serve with --models-dir)")
-        if any(j.state == "running" and j.file == source.filename for j in self._jobs.values()):
+        running = [j for j in self._jobs.values() if j.state == "running"]
+        if any(j.file == source.filename for j in running):
             raise PullRunning(f"{source.filename} is being pulled already")
+        if len(running) >= self.max_running:
+            raise TooManyPulls(f"{len(running)} pulls are running, as many as run at once; "
+                               "wait for one to finish (GET /admin/pulls) or cancel one")
         if (folder / source.filename).exists() and not force:
             raise ModelExists(f"{source.filename} exists in models_dir (force to replace it)")
         job = PullJob(f"pull-{next(self._ids)}", spec, source.url, source.filename)

@@ -44,6 +44,14 @@ class PullRunning(PullError):
     """Another pull writes the same file now."""
 
 
+class TooManyPulls(PullError):
+    """As many pulls run as the daemon allows at once."""
+
+
+class NoSpace(PullError):
+    """The models_dir's disk has no room for the rest of the file."""
+
+
 class NoModelsDir(PullError):
     """Nowhere to put the file: the config has no models_dir."""
 
