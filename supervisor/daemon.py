@@ -1017,6 +1017,13 @@ class Daemon:
             except ConfigError as exc:
                 return self._note_reload(reloading.ReloadAttempt.failed(
                     trigger, started, exc.issues, exc.files))
+            except asyncio.CancelledError:
+                # Shutdown, mid-read: a reader that saw `reloading` also sees how it ended.
+                issue = ConfigIssue(str(self.loaded.source or "<config>"), None, "",
+                                    "cancelled: corral is shutting down; not applied")
+                self._note_reload(reloading.ReloadAttempt.failed(
+                    trigger, started, [issue], self.loaded.files))
+                raise
             except Exception as exc:  # a bug while loading: report it, keep serving
                 log.exception("daemon.reload_crashed", trigger=trigger)
                 issue = ConfigIssue(str(self.loaded.source or "<config>"), None, "",

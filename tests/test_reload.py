@@ -170,6 +170,30 @@ def test_reloads_serialize_and_a_cancelled_caller_does_not_stop_one(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_reload_cancelled_mid_read_still_says_how_it_ended(tmp_path):
+    from corral.supervisor.daemon import Daemon
+
+    def slow_loader() -> LoadedConfig:
+        time.sleep(0.3)
+        return parse_config(BASE, source=tmp_path / "c.yaml")
+
+    async def scenario() -> None:
+        daemon = Daemon(parse_config(BASE, source=tmp_path / "c.yaml"),
+                        tmp_path / "children.json", config_loader=slow_loader)
+        sub = daemon.events.subscribe(kinds=frozenset({"reloading", "reload"}))
+        task = daemon.reload("file")
+        await asyncio.sleep(0.1)
+        task.cancel()  # the daemon shutting down cancels the tasks it owns
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kinds = [(e.kind, e.data.get("ok")) for e in sub.pending()]
+        assert kinds == [("reloading", None), ("reload", False)], kinds
+        assert daemon.last_reload is not None and not daemon.last_reload.ok
+        assert "shutting down" in daemon.last_reload.issues[0].message
+
+    asyncio.run(scenario())
+
+
 def test_a_group_hold_is_given_back_after_a_reload_removed_its_model(tmp_path):
     from corral.supervisor.daemon import Daemon
 

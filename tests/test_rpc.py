@@ -202,6 +202,43 @@ def test_plan_follows_free_memory_and_caps_each_worker() -> None:
         plan_split(8, 100 * MIB, [200 * MIB, 150 * MIB])
 
 
+def test_a_deployment_cancelled_twice_still_releases_the_workers_it_started() -> None:
+    """Shutdown cancelling a load while its workers start, then cancelling again while the
+    first cleanup waits: the worker that had started is released all the same."""
+    import asyncio
+
+    from corral.supervisor.rpc.deploy import _start_all
+
+    released: list[str] = []
+
+    class Started:
+        async def release(self) -> None:
+            await asyncio.sleep(0.05)
+            released.append("quick")
+
+    async def quick() -> Started:
+        return Started()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.shield(asyncio.sleep(0.1))  # a worker that takes a while to stop
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(_start_all([quick(), slow()], ["a", "b"]))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.sleep(0.02)
+        task.cancel()  # while the first cleanup waits for the slow start to stop
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+        assert released == ["quick"]
+
+    asyncio.run(scenario())
+
+
 def test_config_checks_rpc_settings(tmp_path: Path) -> None:
     text = """\
 peers:

@@ -240,11 +240,9 @@ async def _start_all(starts: Sequence[Coroutine[Any, Any, Worker | None]],
     try:
         await asyncio.wait(tasks)
     except asyncio.CancelledError:
-        for task in tasks:
-            task.cancel()
-        await asyncio.shield(asyncio.wait(tasks))
-        await _release_all([w for t in tasks if not t.cancelled() and t.exception() is None
-                            and (w := t.result()) is not None])
+        # One task for the whole cleanup: a second cancel only stops this wait for it, and
+        # the workers that started are still released.
+        await asyncio.shield(asyncio.ensure_future(_cancel_and_release(tasks)))
         raise
     failures = [t.exception() for t in tasks if t.exception() is not None]
     workers = [w for t in tasks if t.exception() is None and (w := t.result()) is not None]
@@ -253,6 +251,14 @@ async def _start_all(starts: Sequence[Coroutine[Any, Any, Worker | None]],
         raise failures[0]  # type: ignore[misc]
     missing = [e for t, e in zip(tasks, entries, strict=True) if t.result() is None]
     return workers, missing
+
+
+async def _cancel_and_release(tasks: Sequence[asyncio.Future[Worker | None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+    await _release_all([w for t in tasks if not t.cancelled() and t.exception() is None
+                        and (w := t.result()) is not None])
 
 
 async def _release_all(workers: Sequence[Worker]) -> None:
