@@ -1,9 +1,9 @@
 """What each model file is, from its GGUF header: architecture, parameters, quantisation,
 native context and size, as /v1/models shows them.
 
-Read with the header parser the memory estimate uses (supervisor/memory/estimate.py), which
-skips the tokenizer's arrays: 40 ms for SmolLM2's 49k-token vocabulary where gguf's GGUFReader
-takes 4.4 s decoding them. Still file I/O, so `read_facts` runs in a thread (the daemon reads
+Read with corral's GGUF header reader (supervisor/gguf_header.py), which skips the tokenizer's
+arrays: 40 ms for SmolLM2's 49k-token vocabulary where gguf's GGUFReader takes seconds. Still
+file I/O, so `read_facts` runs in a thread (the daemon reads
 every model after its start and after each reload); `cached_facts` answers from memory only,
 so a poll of /v1/models never touches a file. A file is read again when the size or mtime of
 any of its shards changed.
@@ -12,7 +12,6 @@ any of its shards changed.
 from __future__ import annotations
 
 import collections
-import mmap
 import os
 import re
 import threading
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from corral.supervisor.gguf_header import read_header
 
 log = structlog.get_logger("corral.inventory")
 
@@ -113,26 +114,8 @@ def _read(files: list[Path], size_bytes: int) -> dict[str, Any]:
 
 def _header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, str]]]:
     """Key/values and (tensor name, elements, type name) of one GGUF file."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from corral.supervisor.memory.estimate import _parse_gguf
-
-    # The estimate's parser sizes each tensor through the table it is given, looking up the
-    # tensor's type once per tensor, in order: a table of 1-element blocks of 1 byte makes it
-    # count elements, and the lookups give each tensor's type.
-    kinds: list[GGMLQuantizationType] = []
-
-    def kind(code: int) -> GGMLQuantizationType:
-        kinds.append(GGMLQuantizationType(code))
-        return kinds[-1]
-
-    ones = {t: (1, 1) for t in GGML_QUANT_SIZES}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        fields, tensors = _parse_gguf(buf, ones, kind)
-    if len(kinds) != len(tensors):
-        raise ValueError("tensor types did not line up with tensors")  # the parser changed
-    return fields, [(name, elements, k.name)
-                    for (name, elements), k in zip(tensors, kinds, strict=True)]
+    header = read_header(path)
+    return header.fields, [(t.name, t.elements, t.type.name) for t in header.tensors]
 
 
 def _quantization(file_type: Any, tensors: list[tuple[str, int, str]]) -> str | None:

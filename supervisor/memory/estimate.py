@@ -21,15 +21,15 @@ import asyncio
 import contextlib
 import functools
 import math
-import mmap
 import os
 import re
 import shutil
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from corral.supervisor.gguf_header import Array, read_header
 
 MiB = 1024 * 1024
 
@@ -128,93 +128,15 @@ def _model_facts_cached(path: Path, mtime_ns: int, size: int) -> ModelFacts:
     return _facts(path, arch, meta, tensors)
 
 
-# GGUF value types (gguf-py's GGUFValueType): struct format of each scalar.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-# Arrays longer than this (a tokenizer's tokens, scores, merges) are skipped, not decoded: only
-# their length is kept. gguf's GGUFReader decodes them all, which took 3.7 s for SmolLM2's
-# 49k-token vocab on this machine; this reader takes milliseconds.
-_DECODE_LIMIT = 4096
-
-
-class _Array(list[Any]):
-    """A decoded GGUF array, or (too long to be worth decoding) just its length."""
-
-    def __init__(self, items: list[Any], length: int):
-        super().__init__(items)
-        self.length = length
-
-
 def _read_gguf(path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """Key/values and (tensor name, bytes) of a GGUF file, from its header alone."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf(buf, GGML_QUANT_SIZES, GGMLQuantizationType)
-    except EstimateError:
-        raise
-    except Exception as e:  # truncated, not GGUF, an unknown type: never a crash upstream
-        raise EstimateError(f"{path}: not a GGUF file ({type(e).__name__}: {e})") from e
-
-
-def _parse_gguf(buf: Any, quant_sizes: Any, quant_type: Any
-                ) -> tuple[dict[str, Any], list[tuple[str, int]]]:
-    magic, version = struct.unpack_from("<II", buf, 0)
-    if magic != 0x46554747 or version < 2:
-        raise ValueError(f"bad magic {magic:#x} or version {version}")
-    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8
-        text = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
-        pos += n
-        return text
-
-    def value(kind: int) -> Any:
-        nonlocal pos
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            item_kind, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if item_kind in _SCALARS and count > _DECODE_LIMIT:
-                pos += count * struct.calcsize(_SCALARS[item_kind])
-                return _Array([], count)
-            if item_kind == _STRING and count > _DECODE_LIMIT:
-                for _ in range(count):  # lengths only
-                    (n,) = struct.unpack_from("<Q", buf, pos)
-                    pos += 8 + n
-                return _Array([], count)
-            return _Array([value(item_kind) for _ in range(count)], count)
-        fmt = _SCALARS[kind]
-        (item,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return item
-
-    fields: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        fields[key] = value(kind)
-    tensors: list[tuple[str, int]] = []
-    for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos)
-        pos += 8 * n_dims
-        ggml_type, _offset = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        block, type_size = quant_sizes[quant_type(ggml_type)]
-        elements = math.prod(dims)
-        tensors.append((name, elements // block * type_size))
-    return fields, tensors
+        header = read_header(path)
+    except OSError as e:
+        raise EstimateError(f"{path}: cannot read: {e.strerror or e}") from e
+    except ValueError as e:  # truncated, not GGUF, an unknown type: never a crash upstream
+        raise EstimateError(f"{path}: {e}") from e
+    return header.fields, [(t.name, t.n_bytes) for t in header.tensors]
 
 
 class _Meta:
@@ -226,7 +148,7 @@ class _Meta:
 
     def raw(self, key: str) -> Any:
         value = self.fields.get(key)
-        return list(value) if isinstance(value, _Array) else value
+        return list(value) if isinstance(value, Array) else value
 
     def get_str(self, key: str) -> str:
         value = self.raw(key)
@@ -260,7 +182,7 @@ class _Meta:
 
     def count(self, key: str) -> int:
         value = self.fields.get(key)
-        return value.length if isinstance(value, _Array) else 0
+        return value.length if isinstance(value, Array) else 0
 
 
 def _split_tensors(path: Path, count: int) -> list[tuple[str, int]]:
