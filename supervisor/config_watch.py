@@ -33,7 +33,6 @@ from watchfiles import Change, awatch
 
 from corral.supervisor import discovery, inventory
 from corral.supervisor.config import LoadedConfig
-from corral.supervisor.config_yaml import pos_for
 from corral.supervisor.daemon import Daemon
 
 log = structlog.get_logger("corral.config")
@@ -104,21 +103,9 @@ Signature = tuple[tuple[tuple[str, str, str], ...], tuple[tuple[str, int, int], 
 
 
 def models_folder(loaded: LoadedConfig) -> Path | None:
-    """The folder discovery reads: models_dir relative to the file that set it (as config
-    resolution reads it), or to the working directory for the embedded default."""
-    if not loaded.config.models_dir:
-        return None
-    # Resolved: watchfiles reports paths under the folder it was given, and discovery holds
-    # back files by their paths under the resolved folder.
-    path = Path(os.path.expanduser(loaded.config.models_dir))
-    if path.is_absolute():
-        return path.resolve()
-    pos = pos_for(("models_dir",), loaded.lines)
-    if pos and loaded.source is not None and pos[0] != str(loaded.source):
-        base = Path(pos[0]).parent  # set in an included file
-    else:
-        base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
-    return (base / path).resolve()
+    """The folder discovery reads, with symlinks resolved: watchfiles reports paths under the
+    folder it was given, and discovery holds back files by their paths under it."""
+    return loaded.models_folder.resolve() if loaded.models_folder else None
 
 
 def signature(folder: Path) -> Signature:
@@ -217,6 +204,7 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
     last = await asyncio.to_thread(signature, folder) if folder else None
     try:
         while not stopping.is_set():
+            watched = daemon.loaded.models_folder
             folder = models_folder(daemon.loaded)
             if folder is None or not folder.is_dir():
                 # Nothing to watch yet: a reload may set models_dir, a mkdir create it.
@@ -238,7 +226,7 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
                         # Held files are left out of this listing, and reload again once
                         # they settle.
                         last = await _reload_if_changed(daemon, folder, last, held)
-                    if models_folder(daemon.loaded) != folder:
+                    if daemon.loaded.models_folder != watched:
                         break  # models_dir changed in the config: watch the new one
                     if not folder.is_dir():
                         break  # removed: its models go with the next listing

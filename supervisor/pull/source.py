@@ -140,10 +140,7 @@ def check_sha256(value: str | None) -> str | None:
 
 def models_dir_of(loaded: LoadedConfig) -> Path | None:
     """The folder discovery reads for this config (None: no models_dir)."""
-    # Imported here: config_watch imports the daemon, which imports this package.
-    from corral.supervisor.config_watch import models_folder
-
-    return models_folder(loaded)
+    return loaded.models_folder
 
 
 def _hub_sha256(headers: Any) -> str | None:
