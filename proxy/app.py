@@ -289,7 +289,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
     canonical = record.model = target.name
-    spec = daemon.instances[canonical].spec
+    spec = daemon.status(canonical).spec
     # Refused here, before anything starts: the child would answer 501 only after loading.
     capabilities.check(spec, request.path, body)
     filtered = filters.apply(body, spec.request, request.path)

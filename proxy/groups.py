@@ -164,8 +164,8 @@ class GroupRunner:
 
     def body_for(self, model: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
         """What `model` gets: the group's body under the model's own request filters."""
-        inst = self.daemon.instances.get(model)
-        filtered = filters.apply({**body, "model": model}, inst.spec.request if inst else None)
+        spec = self.daemon.status(model).spec if self.daemon.resolve(model) else None
+        filtered = filters.apply({**body, "model": model}, spec.request if spec else None)
         return {**filtered, "stream": stream}
 
     async def call(self, model: str, body: dict[str, Any], timeout: float) -> MemberResult:

@@ -14,8 +14,8 @@ from corral.proxy.errors import ApiError
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
 from corral.proxy.validate import parse_json_object
 from corral.supervisor.config import GroupSpec
-from corral.supervisor.daemon import Daemon
-from corral.supervisor.instance import Instance, State
+from corral.supervisor.daemon import Daemon, ModelStatus
+from corral.supervisor.instance import State
 
 # corral's states in llama.cpp router's words. A failed model is "unloaded" with `failed`:
 # llama.cpp's shape, which Open WebUI and other router clients read.
@@ -25,38 +25,34 @@ _ROUTER_VALUE = {
 }
 
 
-def model_entry(daemon: Daemon, inst: Instance) -> dict[str, Any]:
-    members = daemon.members(inst)
-    states = {m.state for m in members}
-    # A model with replicas is loaded when any replica serves, loading while one starts.
-    state = State.READY if State.READY in states else \
-        State.STARTING if State.STARTING in states else inst.state
+def model_entry(daemon: Daemon, model: ModelStatus) -> dict[str, Any]:
+    state = model.state
     status: dict[str, Any] = {"value": _ROUTER_VALUE[state]}
     if state is State.FAILED:
         # The reason stays in the admin API: it may quote the child's log.
         status["failed"] = True
     entry: dict[str, Any] = {
-        "id": inst.name,
+        "id": model.name,
         "object": "model",
-        "created": int(inst.since),
+        "created": int(model.since),
         "owned_by": "corral",
         "status": status,
         "state": str(state),
         "loaded": status["value"] == "loaded",
-        "aliases": list(inst.spec.aliases),
-        "capabilities": list(inst.spec.capabilities),
-        "backend": inst.spec.backend,
+        "aliases": list(model.spec.aliases),
+        "capabilities": list(model.spec.capabilities),
+        "backend": model.spec.backend,
     }
     # The GGUF file's facts (architecture, parameters, quantization, native context), read
     # once per file by the daemon: absent for a moment after a start or reload.
-    meta = daemon.inventory(inst.name)
+    meta = daemon.inventory(model.name)
     if meta is not None:
         entry["meta"] = meta
     return entry
 
 
 def group_entry(daemon: Daemon, group: GroupSpec, created: int) -> dict[str, Any]:
-    members = [daemon.instances[m] for m in group.models if m in daemon.instances]
+    members = [daemon.status(m) for m in group.models if daemon.resolve(m) is not None]
     loaded = bool(members) and all(m.state is State.READY for m in members)
     return {"id": group.name, "object": "model", "created": created, "owned_by": "corral",
             "status": {"value": "loaded" if loaded else "unloaded"}, "state": "group",
@@ -65,7 +61,7 @@ def group_entry(daemon: Daemon, group: GroupSpec, created: int) -> dict[str, Any
 
 
 def _entries(daemon: Daemon) -> list[dict[str, Any]]:
-    models = [model_entry(daemon, inst) for inst in daemon.instances.values()]
+    models = [model_entry(daemon, model) for model in daemon.statuses()]
     created = min((m["created"] for m in models), default=int(time.time()))
     return models + [group_entry(daemon, g, created) for g in exposed_groups(daemon).values()]
 
@@ -79,7 +75,7 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
         target = resolve(daemon, request.match_info["model"])
         if isinstance(target, GroupTarget):
             return web.json_response(group_entry(daemon, target.group, int(time.time())))
-        return web.json_response(model_entry(daemon, daemon.instances[target.name]))
+        return web.json_response(model_entry(daemon, daemon.status(target.name)))
 
     async def load(request: web.Request) -> web.Response:
         daemon = request.app[key]

@@ -16,6 +16,7 @@ from aiohttp import web
 from corral.proxy import request_id
 from corral.proxy.sse import DONE, error_event, frame, sse_headers
 from corral.supervisor.daemon import Daemon
+from corral.supervisor.errors import UnknownModel
 from corral.supervisor.events import Event, Subscription
 from corral.supervisor.instance import Lease
 
@@ -118,8 +119,11 @@ class ProgressStream:
                 line = event.data.get("log")
             elif time.monotonic() - last_write < every:
                 continue  # another model's event: the next line is due later
-            inst = daemon.instances.get(self.model)
-            text = f"{inst.state if inst else 'waiting'} {time.monotonic() - began:.0f} s"
+            try:
+                state = str(daemon.status(self.model).state)
+            except UnknownModel:  # removed by a reload meanwhile
+                state = "waiting"
+            text = f"{state} {time.monotonic() - began:.0f} s"
             if line and line != last_line:
                 text += f": {line.strip()[:200]}"
                 last_line = line

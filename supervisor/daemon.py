@@ -53,6 +53,17 @@ from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
 
+
+@dataclasses.dataclass(frozen=True)
+class ModelStatus:
+    """What the proxy may read of a model (DESIGN: it reads the supervisor through acquire()
+    and this read model only)."""
+
+    name: str
+    spec: ModelSpec
+    state: State
+    since: float  # wall clock of the first replica's last state change
+
 # How long a config file the watcher saw change may stay empty before the reload reports it:
 # an in-place save truncates first, then writes.
 EMPTY_SAVE_GRACE_S = 0.5
@@ -210,6 +221,19 @@ class Daemon:
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [r.describe(now) for i in self.instances.values() for r in self.members(i)]
+
+    def status(self, name: str) -> ModelStatus:
+        """The read model of one model (a canonical name, an alias, a replica's model) for the
+        proxy: its spec and its state over its replicas. Raises UnknownModel."""
+        inst = self.instance(name)
+        states = {m.state for m in self.members(inst)}
+        # A model with replicas is ready when any replica serves, starting while one starts.
+        state = State.READY if State.READY in states else \
+            State.STARTING if State.STARTING in states else inst.state
+        return ModelStatus(inst.name, inst.spec, state, inst.since)
+
+    def statuses(self) -> list[ModelStatus]:
+        return [self.status(name) for name in self.instances]
 
     def ready_now(self, name: str) -> bool:
         """Whether a request for `name` would find a ready child (of any replica) now."""
