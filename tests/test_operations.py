@@ -166,10 +166,32 @@ def test_requests_are_counted_by_model_endpoint_and_status_with_bounded_labels(c
     assert sample(after, "corral_model_state", model="tiny-b", replica="tiny-b",
                   state="ready") == 1
     assert sample(after, "corral_in_flight", model="tiny-b") == 0
-    assert any(name == "corral_model_memory_bytes" and dict(labels)["model"] == "tiny-b"
-               and value > 0 for (name, labels), value in after.items())
-    assert any(name == "corral_device_memory_bytes" and dict(labels)["kind"] == "total"
-               and value > 0 for (name, labels), value in after.items())
+    # The memory series say what /admin/memory says (one view; figures move as the tracker
+    # measures, so compared on reads taken together).
+    def memory_agrees() -> bool:
+        def figures() -> dict[str, Any]:
+            view = corral.http.get("/admin/memory").json()
+            return {"devices": view["devices"], "models": view["models"]}
+
+        shown = figures()
+        exported = metrics(corral)
+        if shown != figures():
+            return False  # the tracker measured in between: read again
+        mib = 1024 * 1024
+        rounding = 0.06 * mib  # /admin/memory shows MiB to one decimal
+        [model] = [m for m in shown["models"] if m["name"] == "tiny-b"]
+        assert model["footprint_mib"], model
+        for dev, amount in model["footprint_mib"].items():
+            if abs(sample(exported, "corral_model_memory_bytes", model="tiny-b",
+                          replica="tiny-b", device=dev) - amount * mib) > rounding:
+                return False
+        for d in shown["devices"]:
+            if abs(sample(exported, "corral_device_memory_bytes", device=d["name"],
+                          kind="total") - d["total_mib"] * mib) > rounding:
+                return False
+        return True
+
+    wait_until(memory_agrees, timeout=15, interval=0.2)
 
 
 def test_stops_are_counted_by_cause_and_reloads_by_result(corral):

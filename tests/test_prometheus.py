@@ -105,4 +105,15 @@ def test_prometheus_scrapes_corral_and_stores_its_series(scraped):
     # every series has the corral_ prefix.
     names = httpx.get(url + "/api/v1/label/__name__/values", timeout=5).json()["data"]
     ours = [n for n in names if n.startswith("corral_")]
-    assert len(ours) >= 20, ours
+    # What this scenario produced: each family that had a sample, in Prometheus's names
+    # (counters with _total, histograms as _bucket/_sum/_count).
+    histograms = ["request_duration_seconds", "queue_wait_seconds", "start_wait_seconds",
+                  "time_to_first_token_seconds", "generation_tokens_per_second",
+                  "model_start_duration_seconds"]
+    counters = ["requests", "prompt_tokens", "completion_tokens", "model_hits", "model_misses",
+                "model_starts", "model_stops"]
+    gauges = ["model_state", "in_flight", "queue_depth", "model_memory_bytes",
+              "device_memory_bytes"]
+    expected = {f"corral_{h}_{part}" for h in histograms for part in ("bucket", "sum", "count")}
+    expected |= {f"corral_{c}_total" for c in counters} | {f"corral_{g}" for g in gauges}
+    assert expected <= set(ours), sorted(expected - set(ours))
