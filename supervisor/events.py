@@ -95,7 +95,10 @@ class Subscription:
 
 class EventBus:
     def __init__(self, history: int = 500) -> None:
-        self._ids = itertools.count(1)
+        # Ids go on rising across restarts (microseconds since the epoch at start, then one
+        # each): a reader that reconnects with the last id of the daemon before a restart
+        # gets the new daemon's history instead of waiting for its ids to pass the old one.
+        self._ids = itertools.count(time.time_ns() // 1000)
         self._history: collections.deque[Event] = collections.deque(maxlen=history)
         self._listeners: list[Callable[[Event], None]] = []
         self._failing: set[int] = set()  # listeners whose failure was logged (once each)

@@ -342,9 +342,21 @@ def test_events_filter_by_kind_and_replay_from_an_id(corral):
     assert "request" not in kinds and {"state", "load", "loaded"} <= set(kinds), kinds
 
 
+def test_event_ids_keep_rising_across_a_restart_so_a_reconnecting_reader_gets_history():
+    before = EventBus()
+    for n in range(1000):
+        last = before.publish("state", n=n).id
+    after = EventBus()  # the daemon restarted
+    first = after.publish("state", n=0)
+    after.publish("loaded", model="m")
+    assert first.id > last
+    replayed = after.subscribe(after=last).pending()  # EventSource's Last-Event-ID
+    assert [e.kind for e in replayed] == ["state", "loaded"]
+
+
 def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listener():
     bus = EventBus(history=10)
-    assert bus.publish("quiet", history=False).id == 1  # ids count, history skips it
+    base = bus.publish("quiet", history=False).id  # ids count, history skips it
     assert bus.recent() == []
     seen: list[str] = []
 
@@ -361,7 +373,7 @@ def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listen
     # Cut off with every event it had room for, none dropped for the end marker: it resumes
     # (Last-Event-ID) right after the last one it got.
     assert [e.data["n"] for e in slow.pending()] == list(range(1000))
-    replay = bus.subscribe(after=997)  # ids count from 1 ("quiet"): tick n has id n + 2
+    replay = bus.subscribe(after=base + 996)  # tick n has id base + n + 1
     assert [e.data["n"] for e in replay.pending()] == [996, 997, 998, 999, 1000]
 
 
