@@ -112,9 +112,10 @@ class Corral:
     def model(self, name: str) -> dict[str, Any]:
         return self.models()[name]
 
-    def chat(self, model: str, content: str = "hi", **extra: Any) -> httpx.Response:
+    def chat(self, model: str, content: str = "hi", timeout: float = 60,
+             **extra: Any) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
-        return self.http.post("/v1/chat/completions", json=body)
+        return self.http.post("/v1/chat/completions", json=body, timeout=timeout)
 
     def log_events(self, event: str) -> list[dict[str, Any]]:
         out = []

@@ -18,6 +18,10 @@ import psutil
 from conftest import port_is_free, tiny_config, wait_until
 
 LONG = {"max_tokens": 3000, "ignore_eos": True}
+# A few seconds alone; on a loaded 2-core box llama.cpp's spinning threads can stretch it past
+# a minute (seen in a run with one core kept busy), and what these tests wait on is the order
+# of things, not their speed.
+SLOW_OK = 300
 
 
 def _gone(pid: int) -> bool:
@@ -77,10 +81,12 @@ def test_in_flight_model_is_never_evicted_new_request_waits(start_corral, tiny_m
                                       policy={"max_loaded": 1, "evict_timeout": 150}))
     corral.chat("tiny-a", max_tokens=1)
     a_result: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: a_result.append(corral.chat("tiny-a", **LONG)))
+    worker = threading.Thread(
+        target=lambda: a_result.append(corral.chat("tiny-a", timeout=SLOW_OK, **LONG)))
     worker.start()
     wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
-    b = corral.chat("tiny-b", max_tokens=2)  # waits for a to drain, then evicts it
+    # Waits for a to drain, then evicts it.
+    b = corral.chat("tiny-b", max_tokens=2, timeout=SLOW_OK)
     worker.join()
     assert a_result[0].status_code == 200
     assert a_result[0].json()["usage"]["completion_tokens"] == LONG["max_tokens"]
@@ -92,7 +98,7 @@ def test_no_capacity_is_503_with_retry_after(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
                                       policy={"max_loaded": 1, "evict_timeout": 0.5}))
     corral.chat("tiny-a", max_tokens=1)
-    worker = threading.Thread(target=lambda: corral.chat("tiny-a", **LONG))
+    worker = threading.Thread(target=lambda: corral.chat("tiny-a", timeout=SLOW_OK, **LONG))
     worker.start()
     wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
     b = corral.chat("tiny-b", max_tokens=2)
@@ -215,7 +221,8 @@ def test_sigterm_drains_in_flight_then_stops_children(start_corral, tiny_models)
     corral.chat("tiny-a", max_tokens=1)
     pid = corral.model("tiny-a")["pid"]
     result: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: result.append(corral.chat("tiny-a", **LONG)))
+    worker = threading.Thread(
+        target=lambda: result.append(corral.chat("tiny-a", timeout=SLOW_OK, **LONG)))
     worker.start()
     wait_until(lambda: corral.model("tiny-a")["in_flight"] == 1)
     corral.proc.send_signal(signal.SIGTERM)
