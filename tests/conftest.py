@@ -222,8 +222,10 @@ class CorralFactory:
         config_path.write_text(yaml.safe_dump(config))
         return self.serve(config_path, api_key, wait)
 
-    def serve(self, config_path: Path, api_key: str = "unused", wait: bool = True) -> Corral:
-        """`corral serve -c config_path` (a file as it is: its relative paths stay its own)."""
+    def serve(self, config_path: Path, api_key: str = "unused", wait: bool = True,
+              env: dict[str, str] | None = None) -> Corral:
+        """`corral serve -c config_path` (a file as it is: its relative paths stay its own);
+        `env` adds to the daemon's environment."""
         port = free_port()
         log_path = self.folder / f"corral-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
@@ -231,7 +233,8 @@ class CorralFactory:
                 [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),
                  "--listen", f"127.0.0.1:{port}", "--state-dir", str(self.folder / "state"),
                  "--log-format", "json", "--log-level", "debug"],
-                stdout=subprocess.DEVNULL, stderr=log_file, cwd=self.folder)
+                stdout=subprocess.DEVNULL, stderr=log_file, cwd=self.folder,
+                env={**os.environ, **env} if env else None)
         corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, config_path, api_key)
         self.started.append(corral)
         if wait:

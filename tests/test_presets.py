@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
+from corral.supervisor.backends.binaries import find_executable
+
 from conftest import Corral, CorralFactory, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,8 +141,18 @@ def test_generic_serves_on_demand(start_corral: CorralFactory, smol_model: Path)
 
 
 def test_openwebui_streams_the_load_then_a_right_answer(start_corral: CorralFactory,
-                                                       smol_model: Path) -> None:
-    corral = serve_preset(start_corral, PRESETS / "openwebui.yaml")
+                                                       smol_model: Path, tmp_path: Path) -> None:
+    # The load must outlast the progress's 0.5 s grace: SmolLM2 from a warm page cache can
+    # load within it (CI saw it), and then there is rightly nothing to show. The llama-server
+    # found first on PATH waits 1.5 s, then is the real one.
+    real = find_executable(None, ("llama-server",))
+    slow = tmp_path / "bin" / "llama-server"
+    slow.parent.mkdir()
+    slow.write_text(f'#!/bin/sh\nsleep 1.5\nexec "{real}" "$@"\n')
+    slow.chmod(0o755)
+    corral = start_corral.serve(PRESETS / "openwebui.yaml",
+                                env={"PATH": f"{slow.parent}:{os.environ['PATH']}"})
+    assert corral.log_events("child.spawned") == []  # on demand: the request starts it
     # As Open WebUI asks: streamed, no system message, no sampling settings.
     stream = corral.client(timeout=120).chat.completions.create(
         model="default", stream=True,
