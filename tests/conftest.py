@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,26 @@ class Corral:
 
     def model(self, name: str) -> dict[str, Any]:
         return self.models()[name]
+
+    def kill_once_busy(self, model: str, after: float = 0.1) -> threading.Thread:
+        """SIGKILL the model's child `after` seconds into its first request in flight.
+
+        Runs in a thread, so the caller makes the request meanwhile. A fixed delay from the
+        start raced the child: a fast machine finished 1,500 tokens in under 0.5 s."""
+        pid = self.model(model)["pid"]
+
+        def kill() -> None:
+            with httpx.Client(base_url=self.url, timeout=10, headers=self.http.headers) as http:
+                def busy() -> bool:
+                    models = http.get("/admin/models").json()["models"]
+                    return any(m["name"] == model and m["in_flight"] for m in models)
+                wait_until(busy, timeout=30, interval=0.01)
+            time.sleep(after)
+            os.kill(pid, signal.SIGKILL)
+
+        thread = threading.Thread(target=kill, daemon=True)
+        thread.start()
+        return thread
 
     def chat(self, model: str, content: str = "hi", timeout: float = 60,
              **extra: Any) -> httpx.Response:

@@ -343,7 +343,7 @@ def test_client_hangup_while_queued_leaves_nothing_behind(shared):
 def test_child_killed_under_several_streams_ends_each_with_an_error_event(shared):
     assert shared.chat("crash", max_tokens=1).status_code == 200
     pid = shared.model("crash")["pid"]
-    streams = [Stream(shared, body("crash", max_tokens=1500, ignore_eos=True))
+    streams = [Stream(shared, body("crash", max_tokens=2000, ignore_eos=True))
                for _ in range(4)]
     for stream in streams:
         stream.wait_started()

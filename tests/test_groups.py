@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import signal
 import threading
 from typing import Any
 
@@ -288,12 +286,13 @@ def test_retry_once_survives_a_member_killed_mid_request(start_corral, tiny_mode
         "models": ["tiny-a", "tiny-b"], "fallback": "retry_once"}}))
     corral.http.post("/admin/models/tiny-b/load")
     victim = corral.model("tiny-b")["pid"]
-    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-    result = batch(corral, "g", max_tokens=1500, ignore_eos=True).json()
+    killer = corral.kill_once_busy("tiny-b")
+    result = batch(corral, "g", max_tokens=3000, ignore_eos=True).json()
+    killer.join()
     a, b = result["responses"]
     assert a["status"] == "ok"
     assert b["status"] == "retried" and "first attempt failed" in b["error"], b
-    assert b["usage"]["completion_tokens"] == 1500 and result["complete"]
+    assert b["usage"]["completion_tokens"] == 3000 and result["complete"]
     assert corral.model("tiny-b")["pid"] != victim
 
 

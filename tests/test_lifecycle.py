@@ -188,9 +188,9 @@ def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
 def test_child_killed_during_non_stream_request_is_502(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
-    pid = corral.model("tiny-a")["pid"]
-    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    killer = corral.kill_once_busy("tiny-a")
     resp = corral.chat("tiny-a", max_tokens=6000, ignore_eos=True)
+    killer.join()
     assert resp.status_code == 502
     assert resp.json()["error"]["code"] == "upstream_failed"
 
