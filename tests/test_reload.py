@@ -213,7 +213,7 @@ def test_a_group_hold_is_given_back_after_a_reload_removed_its_model(tmp_path):
 
 # -- end to end ----------------------------------------------------------------------------------
 
-LONG_STREAM = {"stream": True, "max_tokens": 1500, "ignore_eos": True,
+LONG_STREAM = {"stream": True, "max_tokens": 3500, "ignore_eos": True,
                "stream_options": {"include_usage": True}}
 ENV = "CORRAL_RELOAD_TEST_MODELS"
 
