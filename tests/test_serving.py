@@ -97,8 +97,8 @@ def test_queue_full_is_429_and_parallel_limits_concurrency(start_corral, tiny_mo
     threads = [threading.Thread(target=long_request) for _ in range(2)]
     for started, t in enumerate(threads, 1):
         t.start()  # the first takes the slot, the second queues
-        wait_until(lambda: (lambda m: m["in_flight"] + m["queue"])(
-            corral.model("tiny-a")) == started, interval=0.01)
+        wait_until(lambda n=started: (lambda m: m["in_flight"] + m["queue"])(
+            corral.model("tiny-a")) == n, interval=0.01)
     state = corral.model("tiny-a")
     assert (state["in_flight"], state["queue"]) == (1, 1)
     assert state["ttl_left"] == state["ttl"]  # in use: the idle clock has not started
