@@ -1,0 +1,152 @@
+"""The port: the one way proxy/ reaches the supervisor (DESIGN: arrows point one way).
+
+proxy/ imports this module, the read-model values it names, errors and events; never
+`supervisor.daemon`, `supervisor.instance` or `supervisor.reservation`. The daemon implements
+`Supervisor`; a proxy test may implement it with a few lines instead of a whole daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
+    from corral.supervisor.events import EventBus
+    from corral.supervisor.pull import Puller
+    from corral.supervisor.reload import ReloadAttempt
+    from corral.supervisor.rpc.lender import Lender
+
+
+class State(StrEnum):
+    """An instance's state (the read model's words for it)."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """What the proxy may read of one configured model: its spec and its state over its
+    replicas (ready when any replica serves, starting while one starts)."""
+
+    name: str
+    spec: ModelSpec
+    state: State
+    since: float  # wall clock of the first replica's last state change
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Broken:
+    """What the supervisor found when a request to a child broke."""
+
+    unresponsive: bool  # the child stopped answering and was killed for it
+    detail: str | None  # the child's own words (may quote its log): for the daemon log only
+
+
+class LeaseOwner(Protocol):
+    """What a lease calls back into (the instance that handed it out)."""
+
+    def _give_back(self, lease: Lease) -> None: ...
+    def _child_alive(self, lease: Lease) -> bool: ...
+    async def _broken(self, lease: Lease, timed_out: bool) -> Broken: ...
+
+
+class Lease:
+    """The right to send one request to one ready child; `release()` exactly once (more calls
+    do nothing). A value for the proxy: where to send, with which headers and deadlines."""
+
+    __slots__ = ("_owner", "_released", "_slots", "base_url", "first_byte_timeout", "headers",
+                 "idle_timeout", "instance", "model", "pid", "ready_since")
+
+    def __init__(self, owner: LeaseOwner, *, model: str, instance: str, pid: int | None,
+                 base_url: str, headers: Mapping[str, str], first_byte_timeout: float | None,
+                 idle_timeout: float | None, ready_since: float, slots: Any = None):
+        self._owner = owner
+        self._released = False
+        self._slots = slots  # the slot set it came from (a reload may give the next child new)
+        self.model = model  # the configured model
+        self.instance = instance  # the instance's own name ("<model>#<n>" for a replica)
+        self.pid = pid
+        self.base_url = base_url
+        self.headers = headers
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        self.ready_since = ready_since  # wall clock: when the child became ready
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._owner._give_back(self)
+
+    def child_alive(self) -> bool:
+        """Whether the child behind this lease still runs (cheap, synchronous)."""
+        return self._owner._child_alive(self)
+
+    async def report_broken(self, timed_out: bool = False) -> Broken:
+        """The request to the child broke (`timed_out`: it sent nothing in time). A dead child
+        is marked failed at once, and a silent one is probed at once and killed when it does
+        not answer, so the next request starts a fresh child instead of leasing this one."""
+        return await self._owner._broken(self, timed_out)
+
+
+class Reservation(Protocol):
+    """A group's hold on its members: held models count as busy."""
+
+    @property
+    def names(self) -> frozenset[str]: ...
+    def swap(self, failed: str, backup: str) -> None: ...
+    def release(self, name: str) -> None: ...
+    def release_all(self) -> None: ...
+
+
+class Supervisor(Protocol):
+    """What proxy/ may ask of the supervisor."""
+
+    events: EventBus
+    pulls: Puller
+
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def loaded(self) -> LoadedConfig: ...
+    @property
+    def lender(self) -> Lender | None: ...
+    def model_names(self) -> list[str]: ...
+    def groups(self) -> Mapping[str, GroupSpec]: ...
+
+    # the door
+    async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease: ...
+    def reserve(self, names: Iterable[str]) -> AbstractContextManager[Reservation]: ...
+    def check_capacity(self, names: Iterable[str], what: str) -> None: ...
+
+    # read models
+    def resolve(self, name: str) -> str | None: ...
+    def status(self, name: str) -> ModelStatus: ...
+    def statuses(self) -> list[ModelStatus]: ...
+    def ready_now(self, name: str) -> bool: ...
+    def describe(self) -> list[dict[str, Any]]: ...
+    def inventory(self, name: str) -> dict[str, Any] | None: ...
+    def memory_status(self) -> dict[str, Any]: ...
+    def config_status(self) -> dict[str, Any]: ...
+    async def gguf_info(self, name: str) -> dict[str, Any]: ...
+
+    # admin commands (`admin`: the caller holds an admin key, or none are configured)
+    async def load(self, name: str) -> ModelStatus: ...
+    async def unload(self, name: str, force: bool = False) -> ModelStatus: ...
+    def load_soon(self, name: str) -> ModelStatus: ...
+    def unload_soon(self, name: str, *, admin: bool) -> ModelStatus: ...
+    async def rebalance(self, name: str) -> ModelStatus: ...
+    def reload(self, trigger: str) -> asyncio.Task[ReloadAttempt]: ...
+
+
+__all__ = ["Broken", "Lease", "LeaseOwner", "ModelStatus", "Reservation", "State",
+           "Supervisor"]
