@@ -14,7 +14,7 @@ from aiohttp import web
 from corral.proxy.capabilities import NEEDS
 from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
 from corral.proxy.timing import RequestRecord
-from corral.supervisor.daemon import Daemon
+from corral.supervisor.port import Supervisor
 
 log = structlog.get_logger("corral.proxy")
 
@@ -25,7 +25,7 @@ CLIENT_GONE = 499
 
 
 class Accounting:
-    def __init__(self, daemon: Daemon, keep: int = 200) -> None:
+    def __init__(self, daemon: Supervisor, keep: int = 200) -> None:
         self.daemon = daemon
         self.metrics = Metrics(daemon)
         self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)

@@ -11,8 +11,8 @@ from aiohttp import web
 from corral.proxy.errors import ApiError
 from corral.proxy.validate import bad, parse_json_object
 from corral.supervisor import pull as pulling
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown
+from corral.supervisor.port import Supervisor
 
 # What each refusal of a pull means in HTTP: the request is wrong (400), or it clashes with
 # what is there or running (409), or as many pulls run as may (429).
@@ -25,29 +25,28 @@ _PULL_REFUSALS: dict[type[pulling.PullError], tuple[int, str, str | None]] = {
 }
 
 
-def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
+def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"models": request.app[key].describe()})
 
     async def load(request: web.Request) -> web.Response:
-        inst = await request.app[key].load(request.match_info["name"])
-        return web.json_response(inst.describe())
+        daemon = request.app[key]
+        status = await daemon.load(request.match_info["name"])
+        return web.json_response(daemon.describe_one(status.name))
 
     async def unload(request: web.Request) -> web.Response:
         force = request.query.get("force", "").lower() in ("1", "true", "yes")
-        inst = await request.app[key].unload(request.match_info["name"], force=force)
-        return web.json_response(inst.describe())
+        daemon = request.app[key]
+        status = await daemon.unload(request.match_info["name"], force=force)
+        return web.json_response(daemon.describe_one(status.name))
 
     async def logs(request: web.Request) -> web.Response:
         # A replica's own log too: /admin/models/<model>#<n>/logs (the # URL-encoded).
-        inst = request.app[key].member(request.match_info["name"])
         try:
             n = max(1, min(int(request.query.get("lines", "200")), 10_000))
         except ValueError:
             raise web.HTTPBadRequest(reason="lines must be an integer") from None
-        body: dict[str, Any] = {"model": inst.name, "pid": inst.pid,
-                                "lines": inst.process.tail(n) if inst.process else []}
-        return web.json_response(body)
+        return web.json_response(request.app[key].child_logs(request.match_info["name"], n))
 
     async def memory(request: web.Request) -> web.Response:
         return web.json_response(request.app[key].memory_status())
@@ -75,8 +74,8 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
     async def rebalance(request: web.Request) -> web.Response:
         daemon = request.app[key]
         # The daemon's task: a client that hangs up does not leave the model stopped.
-        inst = await asyncio.shield(daemon.rebalance(request.match_info["name"]))
-        return web.json_response(inst.describe())
+        status = await asyncio.shield(daemon.rebalance(request.match_info["name"]))
+        return web.json_response(daemon.describe_one(status.name))
 
     async def gguf(request: web.Request) -> web.Response:
         return web.json_response(await request.app[key].gguf_info(request.match_info["name"]))

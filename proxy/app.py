@@ -22,6 +22,7 @@ from corral.proxy import (
     request_id,
     ui,
 )
+from corral.proxy.access import ADMIN
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.errors import (
     ApiError,
@@ -37,20 +38,18 @@ from corral.proxy.groups import GroupRunner
 from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
-from corral.supervisor.instance import Lease
+from corral.supervisor.port import Lease, Supervisor
 
 log = structlog.get_logger("corral.proxy")
 
-DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
+DAEMON: web.AppKey[Supervisor] = web.AppKey("daemon", Supervisor)
 ACCOUNTING: web.AppKey[Accounting] = web.AppKey("accounting", Accounting)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Whether the request carries an admin key (or no keys are configured): groups not exposed
 # as models are the operator's.
-ADMIN: web.RequestKey[bool] = web.RequestKey("admin", bool)
 # Whether the response's head went out (a stream began): no second response after that.
 STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 
@@ -58,7 +57,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 
-def create_app(daemon: Daemon) -> web.Application:
+def create_app(daemon: Supervisor) -> web.Application:
     cfg = daemon.loaded.config
     accounting = Accounting(daemon)
     app = web.Application(
@@ -160,7 +159,7 @@ def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
                           code="internal_error")
 
 
-def _failure(daemon: Daemon, exc: SupervisorError | UpstreamFailed) -> web.Response:
+def _failure(daemon: Supervisor, exc: SupervisorError | UpstreamFailed) -> web.Response:
     if daemon.closing and isinstance(exc, (UpstreamFailed, StartFailed)):
         # Its child was stopped by the shutdown, not broken: try again (elsewhere) later.
         log.info("proxy.stopped_by_shutdown", error=str(exc))
@@ -172,7 +171,7 @@ def _failure(daemon: Daemon, exc: SupervisorError | UpstreamFailed) -> web.Respo
     return http_error(exc)
 
 
-def _auth_middleware(daemon: Daemon) -> Any:
+def _auth_middleware(daemon: Supervisor) -> Any:
     # The keys of the config active now (a reload may change them), worked out once per config.
     cache: dict[str, Any] = {}
 

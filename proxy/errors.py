@@ -13,7 +13,9 @@ from aiohttp import web
 from corral.proxy import request_id
 from corral.proxy.sse import error_event as sse_error_event  # its old home: forward.py imports it
 from corral.supervisor.errors import (
+    InUse,
     NoCapacity,
+    NotAllowed,
     NotServed,
     QueueFull,
     QueueTimeout,
@@ -23,6 +25,7 @@ from corral.supervisor.errors import (
     StartTimedOut,
     SupervisorError,
     UnknownModel,
+    Unloaded,
     WorkersUnavailable,
     shown,
 )
@@ -90,6 +93,9 @@ _SHAPES: dict[type[Exception], Shape] = {
     UnknownGroup: Shape(404, "group_not_found", "invalid_request_error"),
     UnknownModel: Shape(404, "model_not_found", "invalid_request_error"),
     QueueFull: Shape(429, "queue_full", "rate_limit_error"),
+    NotAllowed: Shape(403, "permission_denied", "permission_error"),
+    InUse: Shape(409, "model_busy", "invalid_request_error"),
+    Unloaded: Shape(503, "model_unloaded"),
     QueueTimeout: Shape(503, "queue_timeout"),
     NoCapacity: Shape(503, "no_capacity"),
     NotServed: Shape(503, "model_not_served"),

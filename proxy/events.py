@@ -12,7 +12,7 @@ from aiohttp import web
 
 from corral.proxy.accounting import Accounting
 from corral.proxy.sse import KEEPALIVE, named, sse_headers
-from corral.supervisor.daemon import Daemon
+from corral.supervisor.port import Supervisor
 
 _KEEPALIVE_EVERY = 15.0
 _WRITE_TIMEOUT = 30.0
@@ -20,7 +20,7 @@ _WRITE_TIMEOUT = 30.0
 log = structlog.get_logger("corral.proxy")
 
 
-def add_routes(app: web.Application, daemon_key: web.AppKey[Daemon],
+def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
                accounting_key: web.AppKey[Accounting]) -> None:
     async def stream(request: web.Request) -> web.StreamResponse:
         bus = request.app[daemon_key].events

@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from corral.proxy.sse import DONE, error_event, sse_headers
 from corral.proxy.timing import RequestRecord
-from corral.supervisor.instance import Lease
+from corral.supervisor.port import Lease
 
 log = structlog.get_logger("corral.proxy")
 
@@ -60,15 +60,14 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
     connection) is sent once more while the child is alive. Other failures before an answer
     become UpstreamFailed."""
     if lease is not None:
-        spec = lease.instance.spec
         request["headers"] = {**request.get("headers", {}), **lease.headers}
-        request["timeout"] = _first_byte_timeout(spec.first_byte_timeout)
+        request["timeout"] = _first_byte_timeout(lease.first_byte_timeout)
     for attempt in (1, 2, 3):
         try:
             response = await session.post(url, **request)
             break
         except aiohttp.ServerTimeoutError as exc:
-            limit = lease.instance.spec.first_byte_timeout if lease else None
+            limit = lease.first_byte_timeout if lease else None
             raise UpstreamTimeout(
                 f"{model} sent no response within {limit:g}s (first_byte_timeout)"
                 if limit else f"{model} timed out: {exc}") from exc
@@ -86,7 +85,7 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
     if protocol is not None:
         if lease is not None:
             # The head is in: from here on, the longest silence allowed is idle_timeout.
-            protocol.read_timeout = lease.instance.spec.idle_timeout
+            protocol.read_timeout = lease.idle_timeout
         if response.content_type == "text/event-stream":
             # llama-server closes the connection after every streamed answer while still
             # advertising keep-alive (no `Connection: close`), and aiohttp returns a

@@ -30,8 +30,8 @@ from corral.proxy.routing import group_by_name
 from corral.proxy.upstream import leased
 from corral.proxy.validate import bad, check_fields, check_messages
 from corral.supervisor.config import GroupSpec
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown, SupervisorError
+from corral.supervisor.port import Supervisor
 from corral.supervisor.templates import template_problem
 
 log = structlog.get_logger("corral.proxy")
@@ -60,7 +60,7 @@ def check_template(body: dict[str, Any]) -> None:
         raise ApiError(400, f"bad template: {problem}", "invalid_template", param="template")
 
 
-def failed_response(exc: GroupFailed, daemon: Daemon) -> web.Response:
+def failed_response(exc: GroupFailed, daemon: Supervisor) -> web.Response:
     details = {"group": exc.outcome.as_dict()}
     log.warning("proxy.group_failed", group=exc.outcome.group.name, error=str(exc),
                 closing=daemon.closing)
@@ -110,7 +110,7 @@ def _as_chain(group: GroupSpec) -> GroupSpec:
     return replace(group, type="chain", required_responses=len(group.models))
 
 
-def _ad_hoc_chain(daemon: Daemon, models: object) -> GroupSpec:
+def _ad_hoc_chain(daemon: Supervisor, models: object) -> GroupSpec:
     if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
         raise bad("give 'group' or 'models' (a list of model names)", "models", "missing_models")
     if len(models) > MAX_CHAIN_MODELS:
@@ -118,7 +118,7 @@ def _ad_hoc_chain(daemon: Daemon, models: object) -> GroupSpec:
                   "models", "too_many_models")
     canonical = []
     for name in models:
-        canonical.append(daemon.instance(name).name)  # UnknownModel → 404
+        canonical.append(daemon.status(name).name)  # UnknownModel → 404
     return GroupSpec(
         name="+".join(canonical), type="chain", models=tuple(canonical),
         required_responses=len(canonical),

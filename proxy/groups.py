@@ -22,9 +22,8 @@ from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
 from corral.proxy.upstream import leased
 from corral.supervisor.config import GroupSpec
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import SupervisorError
-from corral.supervisor.reservation import Reservation
+from corral.supervisor.port import Reservation, Supervisor
 from corral.supervisor.templates import render_template
 
 log = structlog.get_logger("corral.groups")
@@ -156,7 +155,7 @@ def with_user_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, 
 
 
 class GroupRunner:
-    def __init__(self, daemon: Daemon, session: aiohttp.ClientSession):
+    def __init__(self, daemon: Supervisor, session: aiohttp.ClientSession):
         self.daemon = daemon
         self.session = session
 

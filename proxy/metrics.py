@@ -19,8 +19,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from corral.proxy.timing import RequestRecord
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.events import Event
+from corral.supervisor.port import Supervisor
 
 UNKNOWN_MODEL = "_unknown"
 # Waits and latencies of a local model: from a millisecond (a hot slot) to minutes (a large
@@ -32,7 +32,7 @@ _SPEED = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
 
 
 class Metrics:
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Supervisor) -> None:
         self.daemon = daemon
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -94,7 +94,7 @@ class Metrics:
 
     def model_label(self, name: str) -> str:
         daemon = self.daemon
-        if name in daemon.instances or name in daemon.loaded.config.groups:
+        if daemon.resolve(name) == name or name in daemon.loaded.config.groups:
             return name
         return UNKNOWN_MODEL
 
@@ -179,7 +179,7 @@ class _ModelSeries:
 class _LiveState(Collector):
     """What is true now, read at scrape time: no bookkeeping on the hot path for it."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Supervisor) -> None:
         self.daemon = daemon
 
     def describe(self) -> list[Metric]:

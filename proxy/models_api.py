@@ -10,12 +10,12 @@ from typing import Any
 
 from aiohttp import web
 
+from corral.proxy.access import ADMIN
 from corral.proxy.errors import ApiError
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
 from corral.proxy.validate import parse_json_object
 from corral.supervisor.config import GroupSpec
-from corral.supervisor.daemon import Daemon, ModelStatus
-from corral.supervisor.instance import State
+from corral.supervisor.port import ModelStatus, State, Supervisor
 
 # corral's states in llama.cpp router's words. A failed model is "unloaded" with `failed`:
 # llama.cpp's shape, which Open WebUI and other router clients read.
@@ -25,7 +25,7 @@ _ROUTER_VALUE = {
 }
 
 
-def model_entry(daemon: Daemon, model: ModelStatus) -> dict[str, Any]:
+def model_entry(daemon: Supervisor, model: ModelStatus) -> dict[str, Any]:
     state = model.state
     status: dict[str, Any] = {"value": _ROUTER_VALUE[state]}
     if state is State.FAILED:
@@ -51,7 +51,7 @@ def model_entry(daemon: Daemon, model: ModelStatus) -> dict[str, Any]:
     return entry
 
 
-def group_entry(daemon: Daemon, group: GroupSpec, created: int) -> dict[str, Any]:
+def group_entry(daemon: Supervisor, group: GroupSpec, created: int) -> dict[str, Any]:
     members = [daemon.status(m) for m in group.models if daemon.resolve(m) is not None]
     loaded = bool(members) and all(m.state is State.READY for m in members)
     return {"id": group.name, "object": "model", "created": created, "owned_by": "corral",
@@ -60,13 +60,13 @@ def group_entry(daemon: Daemon, group: GroupSpec, created: int) -> dict[str, Any
             "group": {"type": group.type, "models": list(group.models)}}
 
 
-def _entries(daemon: Daemon) -> list[dict[str, Any]]:
+def _entries(daemon: Supervisor) -> list[dict[str, Any]]:
     models = [model_entry(daemon, model) for model in daemon.statuses()]
     created = min((m["created"] for m in models), default=int(time.time()))
     return models + [group_entry(daemon, g, created) for g in exposed_groups(daemon).values()]
 
 
-def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
+def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     async def list_models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": _entries(request.app[key])})
 
@@ -86,7 +86,8 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
     async def unload(request: web.Request) -> web.Response:
         daemon = request.app[key]
         for name in await _named(request, daemon):
-            daemon.unload_soon(name)
+            # A user key may not stop what the operator pins, nor cut others' requests.
+            daemon.unload_soon(name, admin=request[ADMIN])
         return web.json_response({"success": True})
 
     app.router.add_get("/v1/models", list_models)
@@ -97,7 +98,7 @@ def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
     app.router.add_post("/models/unload", unload)
 
 
-async def _named(request: web.Request, daemon: Daemon) -> list[str]:
+async def _named(request: web.Request, daemon: Supervisor) -> list[str]:
     """The models a load/unload body names: `{"model": name}` (a model, an alias, or a group
     exposed as a model: its members)."""
     body = parse_json_object(await request.read())

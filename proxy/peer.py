@@ -10,15 +10,15 @@ from aiohttp import web
 
 from corral.proxy.errors import error_response
 from corral.proxy.validate import bad, parse_json_object
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import ShuttingDown
+from corral.supervisor.port import Supervisor
 from corral.supervisor.rpc.lender import Lender
 from corral.supervisor.rpc.workers import RpcError
 
 __all__ = ["add_routes"]
 
 
-def add_routes(app: web.Application, key: web.AppKey[Daemon]) -> None:
+def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     def lender_of(request: web.Request) -> Lender:
         lender = request.app[key].lender
         assert lender is not None  # the routes exist only in worker mode

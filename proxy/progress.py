@@ -15,10 +15,9 @@ from aiohttp import web
 
 from corral.proxy import request_id
 from corral.proxy.sse import DONE, error_event, frame, sse_headers
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import UnknownModel
 from corral.supervisor.events import Event, Subscription
-from corral.supervisor.instance import Lease
+from corral.supervisor.port import Lease, Supervisor
 
 HEADER = "X-Corral-Progress"
 _PROGRESS_KINDS = frozenset({"load", "load_progress", "loaded", "load_failed", "stop"})
@@ -59,7 +58,7 @@ class ProgressStream:
     def opened(self) -> bool:
         return self.response.prepared
 
-    async def acquire(self, daemon: Daemon, every: float = 1.0, grace: float = 0.5) -> Lease:
+    async def acquire(self, daemon: Supervisor, every: float = 1.0, grace: float = 0.5) -> Lease:
         """daemon.acquire(model), telling the client what happens while it waits. The stream
         opens only once the wait has lasted `grace` seconds: a quick answer, or a quick
         refusal (queue full, back-off: a 429 or 503 with Retry-After), comes as it would
@@ -89,7 +88,7 @@ class ProgressStream:
                 raise
         return lease
 
-    async def _report(self, daemon: Daemon, task: asyncio.Future[Lease], sub: Subscription,
+    async def _report(self, daemon: Supervisor, task: asyncio.Future[Lease], sub: Subscription,
                       began: float, every: float) -> None:
         """Open the stream and write a line a second until `task` is done: the state, the
         time so far and, when it changed, the child's last log line (from the loader's own

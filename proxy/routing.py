@@ -8,8 +8,8 @@ from typing import Any
 
 from corral.proxy.errors import UnknownGroup
 from corral.supervisor.config import GroupSpec
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import UnknownModel
+from corral.supervisor.port import Supervisor
 
 
 @dataclass(frozen=True)
@@ -34,21 +34,21 @@ def upstream_body(raw: bytes, body: dict[str, Any], canonical: str,
                       separators=(",", ":")).encode()
 
 
-def exposed_groups(daemon: Daemon) -> dict[str, GroupSpec]:
+def exposed_groups(daemon: Supervisor) -> dict[str, GroupSpec]:
     return {n: g for n, g in daemon.loaded.groups.items() if g.expose_as_model}
 
 
-def resolve(daemon: Daemon, name: str) -> ModelTarget | GroupTarget:
+def resolve(daemon: Supervisor, name: str) -> ModelTarget | GroupTarget:
     canonical = daemon.resolve(name)
     if canonical is not None:
         return ModelTarget(canonical)
     group = exposed_groups(daemon).get(name)
     if group is not None:
         return GroupTarget(group)
-    raise UnknownModel(name, sorted([*daemon.instances, *exposed_groups(daemon)]))
+    raise UnknownModel(name, sorted([*daemon.model_names(), *exposed_groups(daemon)]))
 
 
-def group_by_name(daemon: Daemon, name: str, *, admin: bool) -> GroupSpec:
+def group_by_name(daemon: Supervisor, name: str, *, admin: bool) -> GroupSpec:
     """A group named in a /v1/batch or /v1/chain body. Groups exposed as models are anyone's
     (like the models themselves); the others are the operator's: without an admin key they
     do not exist, exactly as they do not exist in /v1/models or as a chat `model`."""

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.supervisor.instance import Lease
+from corral.supervisor.port import Lease
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
 _TAIL_CHUNKS = 4
@@ -46,11 +46,9 @@ class RequestRecord:
         became ready after it came (a cold start, or a restart while it waited) is a miss,
         and the time until then is the start wait; otherwise a hit, all of it queue."""
         now = time.monotonic()
-        inst = lease.instance
         waited = now - self.arrived
-        self.instance, self.pid = inst.name, inst.pid
-        # `since` is when the leased instance became READY (wall clock).
-        start = min(max(inst.since - self.arrived_wall, 0.0), waited)
+        self.instance, self.pid = lease.instance, lease.pid
+        start = min(max(lease.ready_since - self.arrived_wall, 0.0), waited)
         self.hit = start == 0.0
         self.start_s, self.queue_s = start, waited - start
         self.sent_upstream = now

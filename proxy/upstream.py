@@ -8,15 +8,14 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
-from corral.supervisor.daemon import Daemon
 from corral.supervisor.errors import StartFailed
-from corral.supervisor.instance import Lease
+from corral.supervisor.port import Lease, Supervisor
 
 log = structlog.get_logger("corral.proxy")
 
 
 @contextlib.asynccontextmanager
-async def leased(daemon: Daemon, model: str,
+async def leased(daemon: Supervisor, model: str,
                  acquire: Awaitable[Lease] | None = None) -> AsyncIterator[Lease]:
     """A lease on `model` for the block, released however the block ends. `acquire`: how the
     lease is got, when not plainly (daemon.acquire with loading progress around it).
@@ -38,16 +37,18 @@ async def leased(daemon: Daemon, model: str,
         log.info("proxy.upstream_rejected", model=model, error=str(exc))
         raise
     except UpstreamFailed as exc:
-        await lease.upstream_broke()
-        if lease.instance.killed_as_unresponsive() and not isinstance(exc, UpstreamTimeout):
+        # A silent child is probed at once (and killed when it does not answer), so the
+        # next request gets a fresh one instead of the same wait.
+        broken = await lease.report_broken(timed_out=isinstance(exc, UpstreamTimeout))
+        if broken.unresponsive and not isinstance(exc, UpstreamTimeout):
             # Its connection was reset by the kill, but what the client waited on was a
             # child that had stopped answering: a gateway timeout, said plainly.
-            log.warning("proxy.upstream_unresponsive", model=model, pid=lease.instance.pid)
+            log.warning("proxy.upstream_unresponsive", model=model, pid=lease.pid)
             raise UpstreamTimeout(f"{model} stopped answering and the health watchdog killed it; "
                                   f"the next request starts it again") from exc
-        # The child's own words (last_error may quote its log) stay here, in the daemon log.
-        log.warning("proxy.upstream_failed", model=model, pid=lease.instance.pid,
-                    error=str(exc), detail=lease.instance.last_error)
+        # The child's own words (the detail may quote its log) stay here, in the daemon log.
+        log.warning("proxy.upstream_failed", model=model, pid=lease.pid,
+                    error=str(exc), detail=broken.detail, unresponsive=broken.unresponsive)
         raise
     finally:
         lease.release()

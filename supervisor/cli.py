@@ -353,7 +353,7 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
             await runner.cleanup()
             return 1
         log.info("corral.listening", url=f"http://{host}:{port}",
-                 models=sorted(daemon.instances))
+                 models=sorted(daemon.models))
         notifier.ready()
 
         stop = asyncio.Event()

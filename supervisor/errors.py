@@ -83,3 +83,21 @@ def _without_log_lines(message: str, tail: list[str]) -> str:
         if line.strip() and message.endswith(": " + line):
             return message[:-len(line) - 2]
     return message
+
+
+class Unloaded(SupervisorError):
+    """The model was unloaded while the request waited for it (or is being unloaded now): an
+    unload ends with the model stopped, so the request is told instead of starting it again."""
+
+    retry_after = 1.0
+
+
+class NotAllowed(SupervisorError):
+    """The caller may not do this (a user key asking to stop a model the operator keeps
+    loaded): only an admin key may."""
+
+
+class InUse(SupervisorError):
+    """The model serves others' requests now; a user key may not cut them off."""
+
+    retry_after = 5.0

@@ -21,6 +21,7 @@ from corral.supervisor.reaper import GroupKeeper
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _LOG_LINE_LIMIT = 1 << 20
+KILL_WAIT_S = 5.0
 
 
 class ChildExited(RuntimeError):
@@ -117,6 +118,8 @@ class ChildProcess:
         self.started_at: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
+        # How long a stop waits for the exit after SIGKILL before it gives up on the child.
+        self.kill_wait = KILL_WAIT_S
         self._log = structlog.get_logger("corral.child").bind(model=name)
 
     @property
@@ -248,7 +251,14 @@ class ChildProcess:
             self._log.warning("child.kill", reason="grace expired")
         # Always sweep the group: helpers the child forked must not outlive it.
         self.sweep_group()
-        code = await self.wait()
+        try:
+            # Bounded: a child in uninterruptible sleep (D state: a hung driver, a dead NFS
+            # mount) ignores even SIGKILL, and a stop must not hang the daemon on it.
+            code = await asyncio.wait_for(asyncio.shield(self.wait()), self.kill_wait)
+        except TimeoutError:
+            self._log.error("child.unkillable", kill_wait=self.kill_wait,
+                            note="still there after SIGKILL; corral stops waiting for it")
+            return None
         self._log.info("child.stopped", returncode=code)
         return code
 

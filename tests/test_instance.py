@@ -8,7 +8,7 @@ import socket
 import aiohttp
 import pytest
 
-from corral.supervisor import instance as instance_module
+from corral.supervisor.instance import start as instance_module
 from corral.supervisor.backends.llama_server import LlamaServer
 from corral.supervisor.config import parse_config
 from corral.supervisor.instance import Instance, State

@@ -286,7 +286,7 @@ def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
 
         async def record() -> None:
             while True:
-                seen.append((time.monotonic(), frozenset(daemon.instances)))
+                seen.append((time.monotonic(), frozenset(daemon.models)))
                 await asyncio.sleep(0.02)
 
         recorder = asyncio.create_task(record())
@@ -298,16 +298,16 @@ def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
                 await asyncio.sleep(0.5)
                 f.write(data[len(data) // 2:])
             complete = time.monotonic()
-            await asyncio.wait_for(_until(lambda: "slow" in daemon.instances), 5)
+            await asyncio.wait_for(_until(lambda: "slow" in daemon.models), 5)
             listed = time.monotonic()
             # renamed into place from a hidden name: listed without waiting to settle
             shutil.copy2(source, folder / "org" / ".fast.gguf.part")
             os.rename(folder / "org" / ".fast.gguf.part", folder / "org" / "fast.gguf")
             renamed = time.monotonic()
-            await asyncio.wait_for(_until(lambda: "fast" in daemon.instances), 5)
+            await asyncio.wait_for(_until(lambda: "fast" in daemon.models), 5)
             fast = time.monotonic() - renamed
             shutil.rmtree(folder / "org")
-            await asyncio.wait_for(_until(lambda: not daemon.instances), 5)
+            await asyncio.wait_for(_until(lambda: not daemon.models), 5)
         finally:
             stop.set()
             recorder.cancel()

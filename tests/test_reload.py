@@ -162,7 +162,7 @@ def test_reloads_serialize_and_a_cancelled_caller_does_not_stop_one(tmp_path):
         attempts = await asyncio.gather(first, second)
         assert [a.ok for a in attempts] == [True, True]
         assert calls[1][1] >= calls[0][2]  # the second read began after the first ended
-        assert daemon.instances["a"].spec.ttl == 2  # both applied, in order
+        assert daemon.models["a"].spec.ttl == 2  # both applied, in order
         assert daemon.last_reload is attempts[1] and attempts[1].trigger == "sighup"
         assert attempts[0].changes is not None and attempts[0].changes["updated"] == {
             "a": ["ttl"], "b": ["ttl"], "c": ["ttl"]}
@@ -201,12 +201,12 @@ def test_a_group_hold_is_given_back_after_a_reload_removed_its_model(tmp_path):
         daemon = Daemon(_loaded(), tmp_path / "children.json",
                         config_loader=lambda: _loaded(models__b=None))
         with daemon.reserve(["alpha", "b"]):
-            b = daemon.instances["b"]
+            b = daemon.instance("b")
             assert b.held == 1
             attempt = await daemon.reload("admin")
             assert attempt.ok and attempt.changes and attempt.changes["removed"] == ["b"]
-            assert "b" not in daemon.instances and daemon.resolve("b") is None
-        assert b.held == 0 and daemon.instances["a"].held == 0
+            assert "b" not in daemon.models and daemon.resolve("b") is None
+        assert b.held == 0 and daemon.instance("a").held == 0
 
     asyncio.run(scenario())
 

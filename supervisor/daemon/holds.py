@@ -1,0 +1,96 @@
+"""Holds for groups: the members a group runs are held (busy) all together or not at all, so
+neither TTL nor LRU stops one to make room for another of the same group."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from corral.supervisor.errors import NoCapacity, NotServed
+from corral.supervisor.instance import LOADED_STATES, Instance
+
+if TYPE_CHECKING:
+    from corral.supervisor.daemon.core import Daemon
+
+
+class Hold:
+    """A group's hold on its members (the port's Reservation)."""
+
+    def __init__(self, find: Callable[[str], Instance], resolve: Callable[[str], str | None],
+                 changed: Callable[[], None], names: Iterable[str]):
+        self._find = find
+        self._resolve = resolve
+        self._changed = changed
+        # The instances themselves: a reload may remove a held model from the config before
+        # the group ends, and its hold must still be given back.
+        self._held: dict[str, Instance] = {}
+        for name in names:
+            self._hold(name)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    def swap(self, failed: str, backup: str) -> None:
+        """A member failed and a backup stands in: stop holding the failed one (so the backup
+        can take its place under max_loaded) and hold the backup instead."""
+        self.release(failed)
+        self._hold(backup)
+
+    def release(self, name: str) -> None:
+        # The held name itself first: after a reload it may be an alias of another model.
+        key = name if name in self._held else self._resolve(name) or name
+        inst = self._held.pop(key, None)
+        if inst is not None:
+            inst.unhold()
+            self._changed()
+
+    def release_all(self) -> None:
+        for name in list(self._held):
+            self.release(name)
+
+    def _hold(self, name: str) -> None:
+        inst = self._find(name)
+        if inst.name not in self._held:
+            self._held[inst.name] = inst
+            inst.hold()
+
+
+class HoldsPart:
+    @contextlib.contextmanager
+    def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
+        """Hold models that will be acquired together (a group's members). All or none,
+        decided at once: when what is held already (by other groups) plus these plus the
+        pinned models cannot be loaded together, NoCapacity now, instead of two groups each
+        holding what the other needs until evict_timeout."""
+        wanted = {self.instance(n).name for n in names}
+        held_elsewhere = {rs.name for rs in self.models.values() if rs.primary.held > 0}
+        problem = self._decide("room_for", None, self._snapshot(),
+                               frozenset(wanted | held_elsewhere)) if wanted else None
+        if problem:
+            busy = sorted(held_elsewhere - wanted)
+            raise NoCapacity(
+                f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
+                f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
+                f"finish")
+        hold = Hold(self.instance, self.resolve, self.notify_change, wanted)
+        try:
+            yield hold
+        finally:
+            hold.release_all()
+
+    def check_capacity(self: Daemon, names: Iterable[str], what: str) -> None:
+        """Refuse up front what max_loaded can never fit, instead of thrashing."""
+        wanted = frozenset(self.resolve(n) or n for n in names)
+        snap = self._snapshot()
+        for name in sorted(wanted):
+            refusal = self._decide("refuse", None, snap, name)
+            if refusal:
+                raise NotServed(f"{what}: {refusal}")
+        problem = self._decide("room_for", None, snap, wanted)
+        if problem:
+            loaded = sorted(rs.name for rs in self.models.values()
+                            if rs.primary.state in LOADED_STATES)
+            raise NoCapacity(f"{what} {problem}; loaded now: "
+                             f"{', '.join(loaded) or 'none'}")

@@ -1,0 +1,372 @@
+"""One schedulable unit: its state machine (compare-and-swap), slots and leases, intents, stop.
+
+Starting lives in start.py, watching a ready child in watch.py, the admin view in view.py;
+they are parts of the one Instance class below, each in its own module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import time
+from collections.abc import Callable, Collection, Coroutine
+from typing import Any
+
+import aiohttp
+import structlog
+
+from corral.supervisor.backends.base import Backend
+from corral.supervisor.config import ModelSpec
+from corral.supervisor.events import EventBus
+from corral.supervisor.instance.start import StartPart
+from corral.supervisor.instance.state import (
+    STARTABLE,
+    TRANSITIONS,
+    Changed,
+    Health,
+    IllegalTransition,
+    Intent,
+)
+from corral.supervisor.instance.view import ViewPart
+from corral.supervisor.instance.watch import WatchPart
+from corral.supervisor.port import Broken, Lease, State
+from corral.supervisor.process import ChildProcess
+from corral.supervisor.reaper import GroupKeeper
+from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
+
+
+class Instance(StartPart, WatchPart, ViewPart):
+    def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
+                 replica: int = 1, keeper: GroupKeeper | None = None,
+                 deployer: RpcDeployer | None = None, events: EventBus | None = None):
+        self.spec = spec
+        self._events = events or EventBus()
+        self._keeper = keeper
+        self._deployer = deployer  # for models split over RPC workers
+        # A model with `replicas` runs several instances: replica 1 is named like the model,
+        # the others "<model>#<n>". Each is a state machine of its own.
+        self.replica = replica
+        self.name = spec.name if replica == 1 else f"{spec.name}#{replica}"
+
+        self.started_with = spec  # the spec of the current (or last) child: spec + KV choice
+        self.backend = backend
+        self.state = State.STOPPED
+        self.since = time.time()
+        self.port: int | None = None
+        self.process: ChildProcess | None = None
+        self.intent = Intent()
+        self.in_flight = 0
+        self.queued = 0  # requests inside acquire(): waiting for start, room or a slot
+        self.held = 0  # groups running with this model as a member
+        self.pinned = False  # kept loaded by the policy
+        self.last_used = time.monotonic()
+        self.restarts = 0
+        self.starts = 0
+        self.served = 0  # requests the current child has answered
+        self.unloads = 0  # unloads begun: a request queued before one is told, not served
+        self.last_error: str | None = None
+        self.health = Health()
+        self.start_failures = 0  # consecutive failed starts: the back-off exponent
+        self._retry_at: float | None = None  # monotonic; no new start before it
+        self._headers: dict[str, str] = {}
+        self._slots = asyncio.Semaphore(spec.parallel)
+        self._slots_size = spec.parallel
+        self._session: aiohttp.ClientSession | None = None
+        self._start_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+        self._exit_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[bool] | None = None
+        self._drain_until = 0.0
+        self._marked_dead = False  # failed by mark_if_dead, before the exit watcher ran
+        self._unresponsive_pid: int | None = None  # the child killed for not answering
+        self._state_changed = Changed()
+        self._size: tuple[ModelSpec | None, int] = (None, 0)
+        self._on_change = on_change
+        self._log = structlog.get_logger("corral.instance").bind(
+            model=spec.name, **({"replica": replica} if replica > 1 else {}))
+
+    @property
+    def model(self) -> str:
+        """The configured model this instance serves (its replicas share it)."""
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.queued > 0 or self.held > 0
+
+    @property
+    def slots_full(self) -> bool:
+        return self._slots.locked()
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.spec.parallel - self.in_flight)
+
+    @property
+    def stop_pending(self) -> bool:
+        return self._stop_task is not None and not self._stop_task.done()
+
+    @property
+    def can_start(self) -> bool:
+        """Whether a start may begin now: from STOPPED or FAILED, and never under a stop."""
+        return self.state in STARTABLE and not self.stop_pending
+
+    @property
+    def size_bytes(self) -> int:
+        """The model's files on disk (a first guess at its memory), read once per spec."""
+        if self._size[0] is not self.spec:
+            total = 0
+            for path in (self.spec.model_path, self.spec.mmproj):
+                with contextlib.suppress(OSError, TypeError):
+                    total += os.stat(path).st_size if path else 0
+            self._size = (self.spec, total)
+        return self._size[1]
+
+    @property
+    def deployment(self) -> Deployment | None:
+        """The RPC workers of the current child (None: not split over workers)."""
+        process = self.process
+        return process.deployment if isinstance(process, ProcessSet) else None
+
+    def idle_seconds(self, now: float | None = None) -> float:
+        return (now or time.monotonic()) - self.last_used
+
+    def child_alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    # -- what others may change: through these, never by writing fields --------------------------
+
+    def queue_enter(self) -> None:
+        self.queued += 1
+
+    def queue_leave(self) -> None:
+        self.queued -= 1
+
+    def hold(self) -> None:
+        self.held += 1
+
+    def unhold(self) -> None:
+        self.held -= 1
+        self._on_change()
+
+    def set_pinned(self, pinned: bool) -> None:
+        self.pinned = pinned
+
+    def touch(self, at: float | None = None) -> None:
+        """Count as used now (or at `at`, monotonic): the TTL clock restarts."""
+        self.last_used = time.monotonic() if at is None else at
+
+    # -- state machine -------------------------------------------------------------------------
+
+    def _swap(self, expected: State | Collection[State], new: State,
+              error: str | None = None) -> None:
+        """Compare-and-swap: from a state the caller expects to `new`, or IllegalTransition."""
+        allowed = (expected,) if isinstance(expected, State) else expected
+        if self.state not in allowed:
+            raise IllegalTransition(f"{self.name}: expected state mismatch: {self.state} is "
+                                    f"not {'/'.join(map(str, allowed))} (wanted {new})")
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.name}: {self.state} → {new}")
+        old, self.state, self.since = self.state, new, time.time()
+        if error is not None:
+            self.last_error = error
+        self._log.info("instance.state", old=str(old), new=str(new), pid=self.pid,
+                       **({"error": error} if error else {}))
+        self._events.publish("state", model=self.model, instance=self.name, old=str(old),
+                             new=str(new), pid=self.pid, error=error)
+        self._state_changed.fire()
+        self._on_change()
+
+    async def wait_change(self, timeout: float) -> None:
+        await self._state_changed.wait(timeout)
+
+    def _noted(self, message: str) -> None:
+        """Something happened that the state does not show (a stop owns the ending)."""
+        self.last_error = message
+        self._state_changed.fire()
+        self._on_change()
+
+    # -- slots and leases ----------------------------------------------------------------------
+
+    async def take_slot(self, timeout: float) -> Lease:
+        """Wait for one of the `parallel` slots; the caller has checked the state is READY."""
+        slots = self._slots
+        if slots.locked():
+            await asyncio.wait_for(slots.acquire(), timeout)
+        else:
+            await slots.acquire()  # free slot: no timer task on the hot path
+        self.in_flight += 1
+        self.last_used = time.monotonic()
+        spec = self.spec
+        return Lease(self, model=self.model, instance=self.name, pid=self.pid,
+                     base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
+                     first_byte_timeout=spec.first_byte_timeout,
+                     idle_timeout=spec.idle_timeout, ready_since=self.since, slots=slots)
+
+    def _give_back(self, lease: Lease) -> None:
+        self.in_flight -= 1
+        self.served += 1
+        self.last_used = time.monotonic()
+        (lease._slots or self._slots).release()
+        self._on_change()
+
+    def _child_alive(self, lease: Lease) -> bool:
+        return lease.pid == self.pid and self.child_alive()
+
+    async def _broken(self, lease: Lease, timed_out: bool) -> Broken:
+        if lease.pid == self.pid:
+            self.mark_if_dead()
+            await self.settle_exit(0.5)
+            if timed_out and lease.pid == self.pid and self.child_alive():
+                await self.probe_now()
+        return Broken(unresponsive=lease.pid is not None and lease.pid == self._unresponsive_pid,
+                      detail=self.last_error)
+
+    def wake_waiters(self) -> None:
+        """This instance will serve no more (a new child took its name): requests blocked on
+        its slots wake, find it not READY, give the slot back and go to the new one."""
+        for _ in range(self.queued):
+            self._slots.release()
+
+    def _fit_slots(self) -> None:
+        """At a start: a reload changed `parallel`, so the new child gets a new set of slots.
+        Leases still out return to the old set; requests blocked on the old set are woken, find
+        the model STARTING, give their slot back and wait for this start like everyone else."""
+        if self._slots_size == self.spec.parallel:
+            return
+        old = self._slots
+        self._slots = asyncio.Semaphore(self.spec.parallel)
+        self._slots_size = self.spec.parallel
+        for _ in range(self.queued):
+            old.release()
+
+    # -- reload --------------------------------------------------------------------------------
+
+    def reconfigure(self, spec: ModelSpec, backend: Backend | None = None,
+                    fresh_start: bool = False) -> None:
+        """Take a reloaded spec (same name). Settings the child was not started with (ttl,
+        queue limits, timeouts, health knobs, aliases) apply at once; argv and environment
+        apply at the next start, which the daemon arranges (drain, stop, start) when they
+        changed. `fresh_start`: the settings a failed start used are gone, so is its back-off."""
+        if spec.name != self.model:
+            raise ValueError(f"{self.name}: cannot take the spec of {spec.name}")
+        self.spec = spec
+        if backend is not None:
+            self.backend = backend
+        if fresh_start and self.state is State.FAILED:
+            self.start_failures = 0
+            self._retry_at = None
+        self._log.info("instance.reconfigured", state=str(self.state), pid=self.pid)
+        self._on_change()
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def begin_stop(self, reason: str, drain: float = 0.0,
+                   cause: str = "other") -> asyncio.Task[None] | None:
+        """Begin stopping; returns the stop task (None when already stopped).
+
+        The state leaves READY before this returns, so no lease is handed out after the
+        decision to stop, with no await in between (TTL, eviction and unload rely on that), and
+        no start can begin until the stop has ended (`can_start`). The task belongs to the
+        instance: a caller that is cancelled stops waiting, the stop runs to STOPPED regardless.
+        With `drain`, in-flight requests get that many seconds to finish first. `cause`: one of
+        events.STOP_CAUSES (a metric's label); `reason` says it in words."""
+        loop = asyncio.get_running_loop()
+        if cause == "unload":
+            self.unloads += 1  # requests queued before this are told, not served
+            self.intent.unloading = True
+        if self.stop_pending:
+            assert self._stop_task is not None
+            if drain <= 0 and self._drain_until > loop.time():
+                self._drain_until = loop.time()  # a forced stop cuts a drain short
+                self._state_changed.fire()
+            return self._stop_task
+        if self.state is State.STOPPED:
+            self.intent.unloading = False
+            return None
+        if self.state is State.READY and drain > 0:
+            self._drain_until = loop.time() + drain
+            self._swap(State.READY, State.DRAINING)
+        else:
+            self._drain_until = loop.time()
+            self._swap((State.STARTING, State.READY, State.FAILED), State.STOPPING)
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()  # delivered before the start task runs again
+        self._log.info("instance.stop", reason=reason, pid=self.pid, drain=drain)
+        self._events.publish("stop", model=self.model, instance=self.name, pid=self.pid,
+                             reason=reason, cause=cause, drain=drain)
+        self._stop_task = owned_task(self._stop(), f"stop:{self.name}")
+        return self._stop_task
+
+    def when_stopped(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` once the pending stop has ended; False (never called) when no stop
+        is pending."""
+        task = self._stop_task
+        if task is None or task.done():
+            return False
+        task.add_done_callback(lambda _task: callback())
+        return True
+
+    async def stop(self, reason: str, drain: float = 0.0, cause: str = "other") -> None:
+        """Stop and wait until STOPPED (or until the caller is cancelled)."""
+        task = self.begin_stop(reason, drain, cause)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        process = self.process
+        try:
+            while self.state is State.DRAINING and self.in_flight > 0 and self.child_alive():
+                remaining = self._drain_until - loop.time()
+                if remaining <= 0:
+                    break
+                await self.wait_change(min(remaining, 0.1))
+            if self.state is State.DRAINING:
+                self._swap(State.DRAINING, State.STOPPING)
+            start = self._start_task
+            if start is not None and not start.done():
+                await asyncio.wait([start])  # it stops its own child on the way out
+            self._cancel_watchdog()
+            # No start can have begun since this stop did: this is the child it was for.
+            process = self.process
+            if process is not None:
+                await process.stop(self.spec.stop_grace)
+                if process.alive():
+                    self.last_error = (
+                        f"{self.name} (pid {process.pid}) did not exit within "
+                        f"{process.kill_wait:g}s of SIGKILL (uninterruptible sleep?); corral "
+                        f"stopped waiting for it")
+        finally:
+            # Whatever happened above, the stop ends here: group gone, state STOPPED.
+            if process is not None:
+                process.sweep_group()
+            self._cancel_watchdog()
+            if self._exit_task is not None:
+                self._exit_task.cancel()
+                self._exit_task = None
+            self._marked_dead = False
+            self.intent.unloading = False
+            if self.state is State.DRAINING:  # cancelled mid-drain (shutdown)
+                self._swap(State.DRAINING, State.STOPPING)
+            self._swap(State.STOPPING, State.STOPPED)
+
+    def _cancel_watchdog(self) -> None:
+        task = self._watchdog_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            self._watchdog_task = None
+
+
+def owned_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """A task the instance owns, run in a fresh context: started from inside a request, it
+    must not carry that request's id (structlog contextvars) into every log line it and the
+    tasks it creates (exit watch, watchdog, log reader) write for the child's whole life."""
+    return asyncio.create_task(coro, name=name, context=contextvars.Context())

@@ -1,0 +1,73 @@
+"""The instance's closed state machine: states, the transitions allowed, and its intents."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from corral.supervisor.port import State
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.STOPPED: frozenset({State.STARTING}),
+    State.STARTING: frozenset({State.READY, State.FAILED, State.STOPPING}),
+    State.READY: frozenset({State.DRAINING, State.STOPPING, State.FAILED}),
+    # A child that dies while draining for a stop does not fail: the stop owns the ending.
+    State.DRAINING: frozenset({State.STOPPING}),
+    # A stop, once begun, always ends in STOPPED (its task owns the ending).
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.FAILED: frozenset({State.STARTING, State.STOPPING}),
+}
+
+# States in which a child holds (or is about to hold, or still holds) memory.
+LOADED_STATES = frozenset({State.STARTING, State.READY, State.DRAINING, State.STOPPING})
+# States a start may begin from (and only while no stop is pending).
+STARTABLE = frozenset({State.STOPPED, State.FAILED})
+
+
+class IllegalTransition(RuntimeError):
+    """A transition the table does not allow, or one from a state the caller did not expect
+    (compare-and-swap failed): the caller's picture of the instance is out of date."""
+
+
+@dataclass
+class Intent:
+    """What the instance has been told to do next, beyond its state. The daemon used to keep
+    these as sets of names beside the instances, which is how a start could begin under a
+    pending stop; now each is the instance's own, read and cleared through it."""
+
+    restart_after_stop: bool = False  # a reload or KV change: start again once stopped
+    for_kv: bool = False  # that restart is for a KV step (it keeps its room meanwhile)
+    preloading: bool = False  # the daemon loads it (kept loaded by the policy)
+    retiring: bool = False  # removed or replaced: serves no new request, goes once drained
+    unloading: bool = False  # an unload is under way: queued requests are told, not served
+
+
+class Changed:
+    """A broadcast 'something changed' that any number of tasks can await with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()  # re-armed for the next change
+
+    async def wait(self, timeout: float | None) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+@dataclass
+class Health:
+    """What the watchdog saw of a ready child's /health."""
+
+    last_probe: float | None = None  # wall clock
+    last_ok: float | None = None
+    failures: int = 0  # consecutive
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"last_probe": self.last_probe, "last_ok": self.last_ok,
+                "failures": self.failures, "last_error": self.last_error}
