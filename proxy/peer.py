@@ -12,7 +12,7 @@ from corral.proxy.errors import error_response
 from corral.proxy.validate import bad, parse_json_object
 from corral.supervisor.errors import ShuttingDown
 from corral.supervisor.port import Supervisor
-from corral.supervisor.rpc.lender import Lender
+from corral.supervisor.rpc.lender import Lender, TooManyLoans
 from corral.supervisor.rpc.workers import RpcError
 
 __all__ = ["add_routes"]
@@ -25,7 +25,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         return lender
 
     async def info(request: web.Request) -> web.Response:
-        return web.json_response(await asyncio.to_thread(lender_of(request).info))
+        return web.json_response(await lender_of(request).info())
 
     async def lend(request: web.Request) -> web.Response:
         daemon = request.app[key]
@@ -41,7 +41,10 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
             # The loan is the lender's: a head that hangs up mid-start does not leave an
             # rpc-server nobody knows about (the lease ends it).
             loan, version = await asyncio.shield(lender.lend(model))
+        except TooManyLoans as exc:
+            return error_response(429, str(exc), kind="rate_limit_error", code="too_many_loans")
         except RpcError as exc:
+            # The message names the rpc-server and its exit code; its output is in our log.
             return error_response(503, str(exc), kind="server_error",
                                   code="rpc_server_failed")
         answer: dict[str, Any] = {"id": loan.id, "host": lender.config.bind, "port": loan.port,

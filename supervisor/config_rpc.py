@@ -49,3 +49,6 @@ class WorkerConfig(_Strict):
     lease: float = Field(
         30, gt=0, description="seconds an rpc-server lives without word from the head that "
         "asked for it (a head that died leaves nothing running here)")
+    max_loans: int = Field(
+        8, ge=1, description="rpc-servers lent at once, to all heads together; one more is "
+        "refused with 429 until a loan ends")

@@ -86,12 +86,17 @@ _ENV_PASSED = frozenset({"PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LAN
 _ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HSA_", "ROCM_", "GGML_",
                  "VLLM_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "OMP_", "KMP_", "MKL_",
                  "XDG_")
+# Secrets under those prefixes stay with the daemon too (HF_TOKEN is for corral's own pulls;
+# HUGGING_FACE_HUB_TOKEN is its old name): a model that needs one names it in its `env:`.
+_ENV_SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
 
 
 def child_environment(parent: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """A minimal environment for a child: the passed-through variables plus the model's env."""
+    """A minimal environment for a child: the passed-through variables, less any secret,
+    plus the model's env."""
     env = {k: v for k, v in parent.items()
-           if k in _ENV_PASSED or k.startswith(_ENV_PREFIXES)}
+           if k in _ENV_PASSED or (k.startswith(_ENV_PREFIXES)
+                                   and not k.upper().endswith(_ENV_SECRET_SUFFIXES))}
     env.update(extra)
     return env
 

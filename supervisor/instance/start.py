@@ -231,7 +231,11 @@ class StartPart:
         try:
             deployment = await self._deployer.deploy(self.started_with, self.spec.start_timeout,
                                                      avoid_ports={self.port or 0})
-        except (RpcError, BinaryNotFound) as exc:
+        except RpcError as exc:
+            # The worker's output and the peer's answer: for the admin view, not the client.
+            self._fail_start(exc.for_operators())
+            raise WorkersUnavailable(str(exc), exc.tail) from exc
+        except BinaryNotFound as exc:
             self._fail_start(str(exc))
             raise WorkersUnavailable(str(exc)) from exc
         self.started_with = dataclasses.replace(

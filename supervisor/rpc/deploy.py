@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 import signal
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from corral.supervisor.rpc.workers import (
 )
 
 log = structlog.get_logger("corral.rpc")
+
+_VERSION = re.compile(r"\d{1,4}\.\d{1,4}\.\d{1,4}")  # what a peer reports: rpc-server's banner
 
 __all__ = ["Deployment", "ProcessSet", "RpcDeployer"]
 
@@ -215,21 +219,51 @@ class RpcDeployer:
         async with self._session().post(
                 f"{url}/peer/rpc-servers", headers=headers, json={"model": spec.name},
                 timeout=aiohttp.ClientTimeout(total=min(timeout, 30))) as resp:
-            body = await resp.json(content_type=None)
-            if resp.status != 200:
-                message = body.get("error", {}).get("message") if isinstance(body, dict) \
-                    else None
-                raise RpcError(f"peer {peer_name} refused an rpc-server: HTTP {resp.status}: "
-                               f"{message or body}")
-        worker = PeerWorker(peer_name, url, peer.token, str(body["id"]), str(body["host"]),
-                            int(body["port"]), int(body["free"]), str(body["device"]),
-                            self._session(), interval=min(2.0, spec.health_interval),
-                            failures_allowed=spec.health_failures)
-        if body.get("rpc_version") != version:
+            status, text = resp.status, await resp.text(errors="replace")
+        # The peer's answer stays with the operators (log, last_error): clients get the
+        # peer's name and the HTTP status.
+        answer = _peer_answer(text)
+        if status != 200:
+            said = _peer_message(answer) or text[:500]
+            log.warning("rpc.peer_refused", model=spec.name, peer=peer_name, status=status,
+                        answer=said)
+            raise RpcError(f"peer {peer_name} refused an rpc-server: HTTP {status} (its "
+                           f"answer is in corral's log)", [said])
+        body: dict[str, Any] = answer if isinstance(answer, dict) else {}
+        try:
+            worker = PeerWorker(peer_name, url, peer.token, str(body["id"]), str(body["host"]),
+                                int(body["port"]), int(body["free"]), str(body["device"]),
+                                self._session(), interval=min(2.0, spec.health_interval),
+                                failures_allowed=spec.health_failures)
+        except (KeyError, TypeError, ValueError):
+            # (A loan it made all the same ends with its lease: nobody renews it.)
+            log.warning("rpc.peer_answer_unreadable", model=spec.name, peer=peer_name,
+                        answer=text[:500])
+            raise RpcError(f"peer {peer_name} answered HTTP 200 without an rpc-server's "
+                           f"address (its answer is in corral's log)", [text[:500]]) from None
+        theirs = body.get("rpc_version")
+        if theirs != version:
             await worker.release()
-            raise RpcError(f"peer {peer_name} runs RPC protocol v{body.get('rpc_version')}, "
-                           f"this head v{version}: install the same llama.cpp build on both")
+            shown = f"v{theirs}" if isinstance(theirs, str) and _VERSION.fullmatch(theirs) \
+                else "an unknown version"
+            raise RpcError(f"peer {peer_name} runs RPC protocol {shown}, this head "
+                           f"v{version}: install the same llama.cpp build on both",
+                           [f"rpc_version: {theirs!r}"[:200]])
         return worker
+
+
+def _peer_answer(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _peer_message(answer: Any) -> str | None:
+    """The message of an answer in the OpenAI error shape, if it is one."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message[:500] if isinstance(message, str) else None
 
 
 async def _start_all(starts: Sequence[Coroutine[Any, Any, Worker | None]],

@@ -20,7 +20,11 @@ from corral.supervisor.rpc.workers import rpc_server_binary, rpc_version, start_
 
 log = structlog.get_logger("corral.rpc")
 
-__all__ = ["Lender", "Loan"]
+__all__ = ["Lender", "Loan", "TooManyLoans"]
+
+
+class TooManyLoans(Exception):
+    """worker.max_loans rpc-servers are lent (or starting) already."""
 
 
 @dataclass
@@ -46,21 +50,40 @@ class Lender:
         self.keeper = keeper
         self._device_free = device_free
         self.loans: dict[str, Loan] = {}
+        self._starting = 0  # lends between their check of the cap and their loan in `loans`
         self._expiry: asyncio.Task[None] | None = None
         if config.bind not in ("127.0.0.1", "::1", "localhost"):
             log.warning("rpc.bind_not_loopback", bind=config.bind,
                         note="rpc-server has no authentication: anyone who reaches this "
                              "address can use its devices while a loan runs")
 
-    def info(self) -> dict[str, Any]:
-        binary = rpc_server_binary(self._binary)
-        return {"rpc_version": rpc_version(binary), "bind": self.config.bind,
-                "devices": {n: round(f / 2**20, 1) for n, f in self._device_free().items()},
-                "loans": [loan.describe() for loan in self.loans.values()]}
+    async def info(self) -> dict[str, Any]:
+        # Loans and devices are read here, on the loop that changes them; only the binary's
+        # version (found on disk, and run once) is asked in a thread.
+        loans = [loan.describe() for loan in self.loans.values()]
+        devices = {n: round(f / 2**20, 1) for n, f in self._device_free().items()}
+        version = await asyncio.to_thread(self._version)
+        return {"rpc_version": version, "bind": self.config.bind, "devices": devices,
+                "loans": loans, "max_loans": self.config.max_loans}
+
+    def _version(self) -> str:
+        return rpc_version(rpc_server_binary(self._binary))
 
     async def lend(self, model: str) -> tuple[Loan, str]:
         """An rpc-server on the device with the most free memory not already lent, and the
-        RPC protocol version it speaks."""
+        RPC protocol version it speaks. TooManyLoans past worker.max_loans (those still
+        starting count)."""
+        if len(self.loans) + self._starting >= self.config.max_loans:
+            log.warning("rpc.too_many_loans", model=model, max_loans=self.config.max_loans)
+            raise TooManyLoans(f"this worker lends at most {self.config.max_loans} rpc-servers "
+                               f"at once (worker.max_loans), and all are in use")
+        self._starting += 1
+        try:
+            return await self._lend(model)
+        finally:
+            self._starting -= 1
+
+    async def _lend(self, model: str) -> tuple[Loan, str]:
         binary = rpc_server_binary(self._binary)
         version = await asyncio.to_thread(rpc_version, binary)
         free = self._device_free()

@@ -11,6 +11,7 @@ import re
 import select
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,7 +34,18 @@ _VERSION = re.compile(r"Starting RPC server v(\d+\.\d+\.\d+)")
 
 
 class RpcError(Exception):
-    """A worker could not be started, reached or agreed with."""
+    """A worker could not be started, reached or agreed with. The message says what failed in
+    corral's words (which worker or peer, an exit code, an HTTP status): clients see it. What
+    the worker printed or the peer answered is in `tail`, for operators only (the daemon log,
+    the admin API): a child's output can hold paths, hosts or keys."""
+
+    def __init__(self, message: str, tail: Sequence[str] = ()):
+        super().__init__(message)
+        self.tail = list(tail)
+
+    def for_operators(self) -> str:
+        """The message with the worker's last lines or the peer's answer (last_error)."""
+        return f"{self}: {' | '.join(self.tail)}" if self.tail else str(self)
 
 
 class Worker(Protocol):
@@ -108,14 +120,18 @@ def rpc_version(binary: str) -> str:
         first = seen.decode("utf-8", "replace").splitlines()[0] if seen else ""
         found = _VERSION.search(first)
         if not found:
-            raise RpcError(f"{binary} printed no RPC version ({first.strip()!r})")
+            log.warning("rpc.no_version", binary=binary, first_line=first.strip())
+            raise RpcError(f"{binary} printed no RPC version banner (its first line is in "
+                           f"corral's log)", [first.strip()])
         _version_cache[binary] = found.group(1)
     return _version_cache[binary]
 
 
 def _listens(pid: int, port: int) -> bool:
     """Whether process `pid` itself has a listening socket on `port` (a connect alone could
-    reach someone else's server on that port)."""
+    reach someone else's server on that port). Blocking, and not cheap: psutil reads the
+    host's whole TCP table to match the process's sockets, so it runs in a thread, once a
+    connect has succeeded."""
     try:
         return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
                    for c in psutil.Process(pid).net_connections(kind="tcp"))
@@ -123,29 +139,39 @@ def _listens(pid: int, port: int) -> bool:
         return False
 
 
+async def _accepts(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connect to host:port succeeds within `timeout`."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
+
+
 async def wait_accepting(host: str, port: int, timeout: float, child: ChildProcess | None = None
                          ) -> None:
     """Until a TCP connect to host:port succeeds (rpc-server has no health endpoint) and, for
-    a child of ours, it is that child that listens there."""
+    a child of ours, it is that child that listens there. The connect is the poll (5 ms at
+    first, backing off to 100 ms); who owns the port is asked only after a connect succeeded."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    delay = 0.005
     while True:
         if child is not None and not child.alive():
-            raise ChildExited(f"rpc-server exited before it listened: "
-                              f"{(child.tail(1) or [''])[-1]}", child.returncode, child.tail())
-        try:
-            if child is not None and child.pid is not None and not _listens(child.pid, port):
-                raise OSError("not listening yet")
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            raise ChildExited(f"{child.name}: rpc-server exited before it listened",
+                              child.returncode, child.tail())
+        if await _accepts(host, port, min(1.0, max(deadline - loop.time(), 0.05))) and (
+                child is None or child.pid is None
+                or await asyncio.to_thread(_listens, child.pid, port)):
             return
-        except (OSError, TimeoutError):
-            if loop.time() > deadline:
-                raise RpcError(f"nothing accepts connections at {host}:{port} after "
-                               f"{timeout:g}s") from None
-            await asyncio.sleep(0.005)
+        if loop.time() > deadline:
+            raise RpcError(f"nothing accepts connections at {host}:{port} after "
+                           f"{timeout:g}s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.1)
 
 
 async def start_local_rpc_server(name: str, binary: str, bind: str, threads: int,
@@ -168,7 +194,12 @@ async def start_local_rpc_server(name: str, binary: str, bind: str, threads: int
         except ChildExited:
             await proc.stop(0)
             if attempt == 2:
-                raise RpcError(f"{name}: rpc-server exited at start: {proc.tail(3)}") from None
+                code = await proc.wait()  # and its last output read (bounded)
+                # Its output stays with the operators: the message reaches /v1 clients.
+                log.warning("rpc.worker_exited_at_start", worker=name, pid=proc.pid,
+                            returncode=code, tail=proc.tail(10))
+                raise RpcError(f"{name}: rpc-server exited with code {code} at start (its "
+                               f"output is in corral's log)", proc.tail(3)) from None
         except BaseException:
             await asyncio.shield(proc.stop(0))
             raise
