@@ -97,10 +97,15 @@ class Corral:
     # (pid, cmdline) of every child ever seen, polled or logged: the orphan check's list. A
     # pid may appear twice, recycled for a later child with another port.
     seen_children: set[tuple[int, tuple[str, ...]]] = field(init=False, default_factory=set)
+    expected: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {self.api_key}"})
+
+    def expect(self, *events: str) -> None:
+        """Failure events (`*_failed` and the like) this test provokes on purpose."""
+        self.expected.update(events)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0,
