@@ -21,15 +21,15 @@ from corral.supervisor import reload as reloading
 from corral.supervisor.backends import BACKENDS
 from corral.supervisor.backends.base import Backend
 from corral.supervisor.config import LoadedConfig, ModelSpec
-from corral.supervisor.daemon.admin import AdminPart
-from corral.supervisor.daemon.door import DoorPart
-from corral.supervisor.daemon.holds import HoldsPart
-from corral.supervisor.daemon.memory_loop import MemoryPart
-from corral.supervisor.daemon.plan import PlanPart
-from corral.supervisor.daemon.read_model import ReadPart
+from corral.supervisor.daemon import admin as admin_part
+from corral.supervisor.daemon import door as door_part
+from corral.supervisor.daemon import holds as holds_part
+from corral.supervisor.daemon import memory_loop as memory_loop_part
+from corral.supervisor.daemon import plan as plan_part
+from corral.supervisor.daemon import read_model as read_model_part
+from corral.supervisor.daemon import ttl as ttl_part
+from corral.supervisor.daemon import views as views_part
 from corral.supervisor.daemon.replicas import ReplicaSet
-from corral.supervisor.daemon.ttl import TtlPart
-from corral.supervisor.daemon.views import ViewsPart
 from corral.supervisor.errors import SupervisorError, UnknownModel
 from corral.supervisor.events import EventBus
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, State
@@ -44,8 +44,7 @@ from corral.supervisor.statefile import ChildRegistry
 log = structlog.get_logger("corral.daemon")
 
 
-class Daemon(DoorPart, HoldsPart, ViewsPart, TtlPart, MemoryPart, PlanPart, AdminPart,
-             ReadPart):
+class Daemon:
     def __init__(self, loaded: LoadedConfig, state_file: Path,
                  config_loader: Callable[[], LoadedConfig] | None = None):
         self.loaded = loaded
@@ -105,6 +104,72 @@ class Daemon(DoorPart, HoldsPart, ViewsPart, TtlPart, MemoryPart, PlanPart, Admi
     @property
     def lender(self) -> Lender | None:
         return self._lender
+
+    # The parts, each in its own module (one job each); functions that take the daemon.
+    # door.py
+    acquire = door_part.acquire
+    _acquire_replica = door_part._acquire_replica
+    _keep_min_replicas = door_part._keep_min_replicas
+    _scale_up = door_part._scale_up
+    _ensure_ready = door_part._ensure_ready
+    _try_start = door_part._try_start
+    _wait_started = door_part._wait_started
+    # holds.py
+    reserve = holds_part.reserve
+    check_capacity = holds_part.check_capacity
+    # views.py
+    _snapshot = views_part._snapshot
+    _live = views_part._live
+    _view = views_part._view
+    _footprint = views_part._footprint
+    _estimate = views_part._estimate
+    _begin_start = views_part._begin_start
+    _tune = views_part._tune
+    _decide = views_part._decide
+    # ttl.py
+    _sweep_ttl = ttl_part._sweep_ttl
+    _expire_idle = ttl_part._expire_idle
+    _keep_up = ttl_part._keep_up
+    # memory_loop.py
+    _sample_memory = memory_loop_part._sample_memory
+    _watch_memory = memory_loop_part._watch_memory
+    _relieve = memory_loop_part._relieve
+    _kv_configured = memory_loop_part._kv_configured
+    _change_kv = memory_loop_part._change_kv
+    memory_status = memory_loop_part.memory_status
+    # plan.py
+    reload = plan_part.reload
+    config_status = plan_part.config_status
+    _load_source = plan_part._load_source
+    _failed = plan_part._failed
+    _reload = plan_part._reload
+    _read_config = plan_part._read_config
+    _note_reload = plan_part._note_reload
+    _apply_plan = plan_part._apply_plan
+    _begin_switch_over = plan_part._begin_switch_over
+    _switch_over = plan_part._switch_over
+    _restart_after = plan_part._restart_after
+    # admin.py
+    load = admin_part.load
+    unload = admin_part.unload
+    load_soon = admin_part.load_soon
+    unload_soon = admin_part.unload_soon
+    _load_quietly = admin_part._load_quietly
+    rebalance = admin_part.rebalance
+    _rebalance_quietly = admin_part._rebalance_quietly
+    # read_model.py
+    model_names = read_model_part.model_names
+    groups = read_model_part.groups
+    describe = read_model_part.describe
+    describe_one = read_model_part.describe_one
+    child_logs = read_model_part.child_logs
+    status = read_model_part.status
+    statuses = read_model_part.statuses
+    ready_now = read_model_part.ready_now
+    inventory = read_model_part.inventory
+    gguf_info = read_model_part.gguf_info
+    _read_inventory = read_model_part._read_inventory
+    _prefetch_facts = read_model_part._prefetch_facts
 
     # -- lifecycle -----------------------------------------------------------------------------
 

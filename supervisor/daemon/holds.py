@@ -57,40 +57,39 @@ class Hold:
             inst.hold()
 
 
-class HoldsPart:
-    @contextlib.contextmanager
-    def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
-        """Hold models that will be acquired together (a group's members). All or none,
-        decided at once: when what is held already (by other groups) plus these plus the
-        pinned models cannot be loaded together, NoCapacity now, instead of two groups each
-        holding what the other needs until evict_timeout."""
-        wanted = {self.instance(n).name for n in names}
-        held_elsewhere = {rs.name for rs in self.models.values() if rs.primary.held > 0}
-        problem = self._decide("room_for", None, self._snapshot(),
-                               frozenset(wanted | held_elsewhere)) if wanted else None
-        if problem:
-            busy = sorted(held_elsewhere - wanted)
-            raise NoCapacity(
-                f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
-                f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
-                f"finish")
-        hold = Hold(self.instance, self.resolve, self.notify_change, wanted)
-        try:
-            yield hold
-        finally:
-            hold.release_all()
+@contextlib.contextmanager
+def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
+    """Hold models that will be acquired together (a group's members). All or none,
+    decided at once: when what is held already (by other groups) plus these plus the
+    pinned models cannot be loaded together, NoCapacity now, instead of two groups each
+    holding what the other needs until evict_timeout."""
+    wanted = {self.instance(n).name for n in names}
+    held_elsewhere = {rs.name for rs in self.models.values() if rs.primary.held > 0}
+    problem = self._decide("room_for", None, self._snapshot(),
+                           frozenset(wanted | held_elsewhere)) if wanted else None
+    if problem:
+        busy = sorted(held_elsewhere - wanted)
+        raise NoCapacity(
+            f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
+            f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
+            f"finish")
+    hold = Hold(self.instance, self.resolve, self.notify_change, wanted)
+    try:
+        yield hold
+    finally:
+        hold.release_all()
 
-    def check_capacity(self: Daemon, names: Iterable[str], what: str) -> None:
-        """Refuse up front what max_loaded can never fit, instead of thrashing."""
-        wanted = frozenset(self.resolve(n) or n for n in names)
-        snap = self._snapshot()
-        for name in sorted(wanted):
-            refusal = self._decide("refuse", None, snap, name)
-            if refusal:
-                raise NotServed(f"{what}: {refusal}")
-        problem = self._decide("room_for", None, snap, wanted)
-        if problem:
-            loaded = sorted(rs.name for rs in self.models.values()
-                            if rs.primary.state in LOADED_STATES)
-            raise NoCapacity(f"{what} {problem}; loaded now: "
-                             f"{', '.join(loaded) or 'none'}")
+def check_capacity(self: Daemon, names: Iterable[str], what: str) -> None:
+    """Refuse up front what max_loaded can never fit, instead of thrashing."""
+    wanted = frozenset(self.resolve(n) or n for n in names)
+    snap = self._snapshot()
+    for name in sorted(wanted):
+        refusal = self._decide("refuse", None, snap, name)
+        if refusal:
+            raise NotServed(f"{what}: {refusal}")
+    problem = self._decide("room_for", None, snap, wanted)
+    if problem:
+        loaded = sorted(rs.name for rs in self.models.values()
+                        if rs.primary.state in LOADED_STATES)
+        raise NoCapacity(f"{what} {problem}; loaded now: "
+                         f"{', '.join(loaded) or 'none'}")

@@ -20,7 +20,9 @@ import structlog
 from corral.supervisor.backends.base import Backend
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.events import EventBus
-from corral.supervisor.instance.start import StartPart
+from corral.supervisor.instance import start as start_part
+from corral.supervisor.instance import view as view_part
+from corral.supervisor.instance import watch as watch_part
 from corral.supervisor.instance.state import (
     STARTABLE,
     TRANSITIONS,
@@ -29,15 +31,13 @@ from corral.supervisor.instance.state import (
     IllegalTransition,
     Intent,
 )
-from corral.supervisor.instance.view import ViewPart
-from corral.supervisor.instance.watch import WatchPart
 from corral.supervisor.port import Broken, Lease, State
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
 
 
-class Instance(StartPart, WatchPart, ViewPart):
+class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
                  replica: int = 1, keeper: GroupKeeper | None = None,
                  deployer: RpcDeployer | None = None, events: EventBus | None = None):
@@ -87,6 +87,33 @@ class Instance(StartPart, WatchPart, ViewPart):
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(
             model=spec.name, **({"replica": replica} if replica > 1 else {}))
+
+    # The parts, each in its own module: functions that take the instance.
+    # start.py
+    backoff_left = start_part.backoff_left
+    begin_start = start_part.begin_start
+    wait_ready = start_part.wait_ready
+    _start = start_part._start
+    _stop_own_child = start_part._stop_own_child
+    _report_progress = start_part._report_progress
+    _note_start_failure = start_part._note_start_failure
+    _fail_start = start_part._fail_start
+    _spawn_and_wait = start_part._spawn_and_wait
+    _deploy = start_part._deploy
+    _readiness = start_part._readiness
+    # watch.py
+    _watch = watch_part._watch
+    _watch_exit = watch_part._watch_exit
+    killed_as_unresponsive = watch_part.killed_as_unresponsive
+    mark_if_dead = watch_part.mark_if_dead
+    settle_exit = watch_part.settle_exit
+    probe_now = watch_part.probe_now
+    _probe_once = watch_part._probe_once
+    _declare_unresponsive = watch_part._declare_unresponsive
+    _watchdog = watch_part._watchdog
+    # view.py
+    _rpc_state = view_part._rpc_state
+    describe = view_part.describe
 
     @property
     def model(self) -> str:

@@ -12,54 +12,53 @@ if TYPE_CHECKING:
     pass
 
 
-class ViewPart:
-    def _rpc_state(self) -> dict[str, Any] | None:
-        if not self.spec.rpc_workers:
-            return None
-        live = self.deployment if self.state in LOADED_STATES else None
-        return {"workers": list(self.spec.rpc_workers),
-                "split": list(self.spec.rpc_split) if self.spec.rpc_split else "auto",
-                "deployed": live.describe() if live else None,
-                "missing": list(live.missing) if live else []}
+def _rpc_state(self) -> dict[str, Any] | None:
+    if not self.spec.rpc_workers:
+        return None
+    live = self.deployment if self.state in LOADED_STATES else None
+    return {"workers": list(self.spec.rpc_workers),
+            "split": list(self.spec.rpc_split) if self.spec.rpc_split else "auto",
+            "deployed": live.describe() if live else None,
+            "missing": list(live.missing) if live else []}
 
-    def describe(self, now_mono: float | None = None) -> dict[str, Any]:
-        now = now_mono or time.monotonic()
-        idle = self.idle_seconds(now)
-        ttl_left = None
-        if self.state is State.READY and self.spec.ttl > 0 and not self.pinned:
-            # In use, the clock has not started: it runs from the last release.
-            ttl_left = self.spec.ttl if self.busy else max(0.0, self.spec.ttl - idle)
-        backoff = self.backoff_left(now)
-        return {
-            "name": self.name,
-            "replica_of": self.model if self.spec.replicas_max > 1 else None,
-            "replica": self.replica,
-            "backend": self.spec.backend,
-            "model_path": self.spec.model_id or str(self.spec.model_path),
-            "aliases": list(self.spec.aliases),
-            "state": str(self.state),
-            "pid": self.pid if self.state in LOADED_STATES else None,
-            "port": self.port if self.state in LOADED_STATES else None,
-            "since": self.since,
-            "last_used": time.time() - idle if self.starts else None,
-            "in_flight": self.in_flight,
-            "queue": self.queued,
-            "held": self.held,
-            "parallel": self.spec.parallel,
-            "cache_type_k": self.started_with.cache_type_k,
-            "cache_type_v": self.started_with.cache_type_v,
-            # vLLM's share of each GPU it uses (None: not on a GPU, or vLLM's default)
-            "gpu_memory_utilization": self.started_with.gpu_memory_utilization,
-            # RPC workers with the layers each holds (None: not split over workers)
-            "rpc": self._rpc_state(),
-            "ttl": self.spec.ttl,
-            "ttl_left": ttl_left,
-            "pinned": self.pinned,
-            "starts": self.starts,
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-            "start_failures": self.start_failures,
-            "retry_at": time.time() + backoff if backoff > 0 else None,
-            "health": self.health.as_dict(),
-            "stop_pending": self.stop_pending,
-        }
+def describe(self, now_mono: float | None = None) -> dict[str, Any]:
+    now = now_mono or time.monotonic()
+    idle = self.idle_seconds(now)
+    ttl_left = None
+    if self.state is State.READY and self.spec.ttl > 0 and not self.pinned:
+        # In use, the clock has not started: it runs from the last release.
+        ttl_left = self.spec.ttl if self.busy else max(0.0, self.spec.ttl - idle)
+    backoff = self.backoff_left(now)
+    return {
+        "name": self.name,
+        "replica_of": self.model if self.spec.replicas_max > 1 else None,
+        "replica": self.replica,
+        "backend": self.spec.backend,
+        "model_path": self.spec.model_id or str(self.spec.model_path),
+        "aliases": list(self.spec.aliases),
+        "state": str(self.state),
+        "pid": self.pid if self.state in LOADED_STATES else None,
+        "port": self.port if self.state in LOADED_STATES else None,
+        "since": self.since,
+        "last_used": time.time() - idle if self.starts else None,
+        "in_flight": self.in_flight,
+        "queue": self.queued,
+        "held": self.held,
+        "parallel": self.spec.parallel,
+        "cache_type_k": self.started_with.cache_type_k,
+        "cache_type_v": self.started_with.cache_type_v,
+        # vLLM's share of each GPU it uses (None: not on a GPU, or vLLM's default)
+        "gpu_memory_utilization": self.started_with.gpu_memory_utilization,
+        # RPC workers with the layers each holds (None: not split over workers)
+        "rpc": self._rpc_state(),
+        "ttl": self.spec.ttl,
+        "ttl_left": ttl_left,
+        "pinned": self.pinned,
+        "starts": self.starts,
+        "restarts": self.restarts,
+        "last_error": self.last_error,
+        "start_failures": self.start_failures,
+        "retry_at": time.time() + backoff if backoff > 0 else None,
+        "health": self.health.as_dict(),
+        "stop_pending": self.stop_pending,
+    }

@@ -17,113 +17,112 @@ if TYPE_CHECKING:
     pass
 
 
-class WatchPart:
-    def _watch(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
-        self._exit_task = asyncio.create_task(self._watch_exit(process),
-                                              name=f"exit:{self.name}")
-        self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
-                                                  name=f"watchdog:{self.name}")
+def _watch(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
+    self._exit_task = asyncio.create_task(self._watch_exit(process),
+                                          name=f"exit:{self.name}")
+    self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
+                                              name=f"watchdog:{self.name}")
 
-    async def _watch_exit(self, process: ChildProcess) -> None:
-        code = await process.wait()
-        process.sweep_group()  # helpers it forked die with it, while the group id is ours
-        if self.process is not process:
+async def _watch_exit(self, process: ChildProcess) -> None:
+    code = await process.wait()
+    process.sweep_group()  # helpers it forked die with it, while the group id is ours
+    if self.process is not process:
+        return
+    tail = process.tail(5)
+    why = process.exit_reason()
+    detail = f": {why}" if why else f": {tail[-1]}" if tail else ""
+    message = f"{self.name} exited unexpectedly with code {code}{detail}"
+    if self.state is State.READY:
+        self._swap(State.READY, State.FAILED, message)
+    elif self.state is State.DRAINING or (self.state is State.FAILED and self._marked_dead):
+        # Draining: the stop under way owns the ending (STOPPED, not FAILED: no restart
+        # may begin under it). Marked dead: the exit code says more than "gone".
+        self._noted(message)
+
+def killed_as_unresponsive(self) -> bool:
+    """Whether the current child was killed by the watchdog (it stopped answering)."""
+    return self._unresponsive_pid is not None and self._unresponsive_pid == self.pid
+
+def mark_if_dead(self) -> None:
+    """A request saw the child break: if it is gone, fail the instance now, before the
+    exit watcher runs, so no other request is handed its port."""
+    if self.child_alive():
+        return
+    message = f"{self.name} (pid {self.pid}) died while serving"
+    if self.state is State.READY:
+        self._marked_dead = True
+        self._swap(State.READY, State.FAILED, message)
+    elif self.state is State.DRAINING:
+        self._noted(message)  # the drain ends now; its stop goes on to STOPPED
+
+async def settle_exit(self, within: float) -> None:
+    task = self._exit_task
+    if task is None or task.done():
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), within)
+
+async def probe_now(self) -> bool:
+    """A request to this child timed out: ask /health at once (one probe shared by every
+    request that asks meanwhile) and kill the child when it does not answer, so the next
+    request gets a fresh child instead of the same wait. True: it answered."""
+    task = self._probe_task
+    if task is None or task.done():
+        process, session = self.process, self._session
+        if process is None or session is None:
+            return False
+        task = asyncio.create_task(self._probe_once(session, process),
+                                   name=f"probe:{self.name}")
+        self._probe_task = task
+    return await asyncio.shield(task)
+
+async def _probe_once(self, session: aiohttp.ClientSession, process: ChildProcess) -> bool:
+    url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
+    problem = await probe_health(session, url, self.spec.health_timeout)
+    self.health.last_probe = time.time()
+    if problem is None:
+        self.health.last_ok = self.health.last_probe
+        return True
+    self.health.last_error = problem
+    if self.process is process and self.state in (State.READY, State.DRAINING):
+        await self._declare_unresponsive(process, f"a request timed out and its health "
+                                                  f"probe failed ({problem})")
+    return False
+
+async def _declare_unresponsive(self, process: ChildProcess, why: str) -> None:
+    self._unresponsive_pid = process.pid
+    message = f"{self.name} stopped answering: {why}; killed pid {process.pid}"
+    self._log.warning("instance.unresponsive", pid=process.pid, why=why)
+    if self.state is State.READY:
+        self._swap(State.READY, State.FAILED, message)
+    else:
+        self._noted(message)
+    await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
+
+async def _watchdog(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
+    """Probe /health of a ready child; kill it after `health_failures` misses in a row.
+    /health never touches the slots, so probing it cannot hide a request's cancellation."""
+    url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
+
+    def serving() -> bool:
+        return self.process is process and self.state in (State.READY, State.DRAINING)
+
+    while serving():
+        await asyncio.sleep(self.spec.health_interval)
+        if not serving():
             return
-        tail = process.tail(5)
-        why = process.exit_reason()
-        detail = f": {why}" if why else f": {tail[-1]}" if tail else ""
-        message = f"{self.name} exited unexpectedly with code {code}{detail}"
-        if self.state is State.READY:
-            self._swap(State.READY, State.FAILED, message)
-        elif self.state is State.DRAINING or (self.state is State.FAILED and self._marked_dead):
-            # Draining: the stop under way owns the ending (STOPPED, not FAILED: no restart
-            # may begin under it). Marked dead: the exit code says more than "gone".
-            self._noted(message)
-
-    def killed_as_unresponsive(self) -> bool:
-        """Whether the current child was killed by the watchdog (it stopped answering)."""
-        return self._unresponsive_pid is not None and self._unresponsive_pid == self.pid
-
-    def mark_if_dead(self) -> None:
-        """A request saw the child break: if it is gone, fail the instance now, before the
-        exit watcher runs, so no other request is handed its port."""
-        if self.child_alive():
-            return
-        message = f"{self.name} (pid {self.pid}) died while serving"
-        if self.state is State.READY:
-            self._marked_dead = True
-            self._swap(State.READY, State.FAILED, message)
-        elif self.state is State.DRAINING:
-            self._noted(message)  # the drain ends now; its stop goes on to STOPPED
-
-    async def settle_exit(self, within: float) -> None:
-        task = self._exit_task
-        if task is None or task.done():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), within)
-
-    async def probe_now(self) -> bool:
-        """A request to this child timed out: ask /health at once (one probe shared by every
-        request that asks meanwhile) and kill the child when it does not answer, so the next
-        request gets a fresh child instead of the same wait. True: it answered."""
-        task = self._probe_task
-        if task is None or task.done():
-            process, session = self.process, self._session
-            if process is None or session is None:
-                return False
-            task = asyncio.create_task(self._probe_once(session, process),
-                                       name=f"probe:{self.name}")
-            self._probe_task = task
-        return await asyncio.shield(task)
-
-    async def _probe_once(self, session: aiohttp.ClientSession, process: ChildProcess) -> bool:
-        url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
         problem = await probe_health(session, url, self.spec.health_timeout)
-        self.health.last_probe = time.time()
+        now = time.time()
+        self.health.last_probe = now
         if problem is None:
-            self.health.last_ok = self.health.last_probe
-            return True
+            self.health.last_ok = now
+            self.health.failures = 0
+            continue
+        self.health.failures += 1
         self.health.last_error = problem
-        if self.process is process and self.state in (State.READY, State.DRAINING):
-            await self._declare_unresponsive(process, f"a request timed out and its health "
-                                                      f"probe failed ({problem})")
-        return False
-
-    async def _declare_unresponsive(self, process: ChildProcess, why: str) -> None:
-        self._unresponsive_pid = process.pid
-        message = f"{self.name} stopped answering: {why}; killed pid {process.pid}"
-        self._log.warning("instance.unresponsive", pid=process.pid, why=why)
-        if self.state is State.READY:
-            self._swap(State.READY, State.FAILED, message)
-        else:
-            self._noted(message)
-        await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
-
-    async def _watchdog(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
-        """Probe /health of a ready child; kill it after `health_failures` misses in a row.
-        /health never touches the slots, so probing it cannot hide a request's cancellation."""
-        url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
-
-        def serving() -> bool:
-            return self.process is process and self.state in (State.READY, State.DRAINING)
-
-        while serving():
-            await asyncio.sleep(self.spec.health_interval)
-            if not serving():
-                return
-            problem = await probe_health(session, url, self.spec.health_timeout)
-            now = time.time()
-            self.health.last_probe = now
-            if problem is None:
-                self.health.last_ok = now
-                self.health.failures = 0
-                continue
-            self.health.failures += 1
-            self.health.last_error = problem
-            self._log.warning("instance.health_failed", pid=process.pid, problem=problem,
-                              failures=self.health.failures, limit=self.spec.health_failures)
-            if self.health.failures >= self.spec.health_failures and serving():
-                await self._declare_unresponsive(process, (
-                    f"{self.health.failures} health probes failed in a row (last: {problem})"))
-                return
+        self._log.warning("instance.health_failed", pid=process.pid, problem=problem,
+                          failures=self.health.failures, limit=self.spec.health_failures)
+        if self.health.failures >= self.spec.health_failures and serving():
+            await self._declare_unresponsive(process, (
+                f"{self.health.failures} health probes failed in a row (last: {problem})"))
+            return
