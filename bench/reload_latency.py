@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from corral.supervisor.config_watch import STEP_MS
+from corral.supervisor.config.watch import STEP_MS
 
 from _harness import code_note, corral_daemon, machine_note, percentile, tiny_model
 

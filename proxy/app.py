@@ -178,15 +178,16 @@ def _auth_middleware(daemon: Supervisor) -> Any:
     def key_sets() -> tuple[list[bytes], list[bytes], list[bytes]]:
         cfg = daemon.loaded.config
         if cache.get("config") is not cfg:
-            user = [k.encode() for k in cfg.api_keys]
+            user = [k.get_secret_value().encode() for k in cfg.api_keys]
             # Without admin keys, admin falls back to the API keys (or stays open when there
             # are none).
-            admin_only = [k.encode() for k in cfg.admin_api_keys] or user
+            admin_only = [k.get_secret_value().encode() for k in cfg.admin_api_keys] or user
             # An admin key opens /v1 too: the operator may do what users do, and run every
             # group.
             v1 = user + admin_only if user else []
             # Worker mode: heads send worker.token (required, so never open).
-            worker = [cfg.worker.token.encode()] if cfg.worker.token else [b"\0never"]
+            worker = [cfg.worker.token.get_secret_value().encode()] if cfg.worker.token \
+                else [b"\0never"]
             cache.update(config=cfg, keys=(admin_only, v1, worker))
         keys: tuple[list[bytes], list[bytes], list[bytes]] = cache["keys"]
         return keys

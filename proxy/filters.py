@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from corral.supervisor.config_request import RequestFilters
+from corral.supervisor.config.schema.request import RequestFilters
 
 CHAT_PATH = "/v1/chat/completions"
 # Roles that already set the stage: a request with one gets no default system prompt.

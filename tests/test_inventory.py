@@ -21,7 +21,7 @@ import pytest
 
 from corral.supervisor import discovery, inventory
 from corral.supervisor.config import default_config, parse_config
-from corral.supervisor.config_watch import models_folder, watch_models_dir
+from corral.supervisor.config.watch import models_folder, watch_models_dir
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.discovery import MAX_DEPTH, discover
 

@@ -391,7 +391,7 @@ def test_live_settings_touch_no_child_api_keys_groups_policy(corral):
     listed = [m["id"] for m in corral.http.get("/v1/models").json()["data"]]
     assert "duo" in listed
     shown = admin_config(corral)["active"]["config"]
-    assert shown["api_keys"] == ["<redacted>"] and corral.api_key not in str(shown)
+    assert shown["api_keys"] == [REDACTED] and corral.api_key not in str(shown)
     del config["api_keys"]
     wait_reload(corral, write(corral.config_path, config))
     ok = httpx.post(corral.url + "/v1/chat/completions",

@@ -20,7 +20,7 @@ import pytest
 from pydantic import ValidationError
 
 from corral.proxy.filters import apply
-from corral.supervisor.config_request import RequestFilters
+from corral.supervisor.config.schema.request import RequestFilters
 
 from conftest import REPO, Corral, CorralFactory, free_port, tiny_config, wait_until
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from corral.supervisor.backends.binaries import BinaryNotFound
-from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.estimate import Estimate
 
 __all__ = ["Backend", "BinaryNotFound"]

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
-from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.estimate import Estimate, estimate, model_facts
 
 __all__ = ["INSTALL_HINT", "LlamaServer", "find_executable"]

@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from corral.supervisor.backends.binaries import BinaryNotFound
-from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.checkpoint import (
     checkpoint_facts,
     cpu_kv_space_gib,

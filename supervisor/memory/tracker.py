@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import structlog
 
 from corral.supervisor.backends import backend_for
-from corral.supervisor.config_memory import MemoryConfig
-from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config.schema.memory import MemoryConfig
+from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.devices import Device, GpuReader, RamReader
 from corral.supervisor.memory.estimate import Estimate, parse_load_log
 from corral.supervisor.memory.view import MIB, DeviceView, Footprint, MemoryView

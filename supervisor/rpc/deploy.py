@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import structlog
 
-from corral.supervisor.config_rpc import PeerConfig
-from corral.supervisor.config_specs import ModelSpec
+from corral.supervisor.config.schema.rpc import PeerConfig
+from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.process import ChildProcess, free_port
 from corral.supervisor.reaper import GroupKeeper
@@ -215,7 +215,7 @@ class RpcDeployer:
                         timeout: float) -> PeerWorker:
         peer = self.peers[peer_name]
         url = peer.url.rstrip("/")
-        headers = {"Authorization": f"Bearer {peer.token}"}
+        headers = {"Authorization": f"Bearer {peer.token.get_secret_value()}"}
         async with self._session().post(
                 f"{url}/peer/rpc-servers", headers=headers, json={"model": spec.name},
                 timeout=aiohttp.ClientTimeout(total=min(timeout, 30))) as resp:

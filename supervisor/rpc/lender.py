@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from corral.supervisor.config_rpc import WorkerConfig
+from corral.supervisor.config.schema.rpc import WorkerConfig
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.workers import rpc_server_binary, rpc_version, start_local_rpc_server

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import aiohttp
 import psutil
 import structlog
+from pydantic import SecretStr
 
 from corral.supervisor.backends.binaries import BinaryNotFound, find_executable
 from corral.supervisor.process import ChildExited, ChildProcess, free_port
@@ -243,7 +244,7 @@ class PeerWorker:
 
     name: str
     url: str
-    token: str
+    token: SecretStr  # the peer's worker.token: kept secret, like the config's copy
     server_id: str
     host: str
     port: int
@@ -260,7 +261,7 @@ class PeerWorker:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        return {"Authorization": f"Bearer {self.token.get_secret_value()}"}
 
     async def lost(self) -> str:
         """Renew the lease every `interval`; lost after `failures_allowed` misses in a row, or

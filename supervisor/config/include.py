@@ -1,45 +1,23 @@
-"""The YAML side of config loading: parse with line numbers, expand ${VAR}, merge `include:`d
-files, and the issue type every config error is reported as (file:line, dotted key, message)."""
+"""`include:`: a config file with every file it includes merged in, as one document.
+
+`include: [a.yaml, b.yaml]` (or one name) at the top of a file merges those files in first, in
+order, each relative to the file that names it; the including file's own keys come last. Maps
+merge key by key (an included file adds models or groups, the includer overrides one model's
+ttl); any other value (a list, a string, a number) replaces what came before. Included files
+may include others; a cycle is an error at the `include:` line that closes it."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from corral.supervisor.config.issues import ConfigError, ConfigIssue, Lines, Loc, issue_at
+from corral.supervisor.config.yaml import read_yaml
 
-# A key path into the YAML document, e.g. ("models", "smol", "args", 0).
-Loc = tuple[str | int, ...]
-# Where each key was written: (file, line). With `include:` one document comes from many files.
-Pos = tuple[str, int]
-Lines = dict[Loc, Pos]
-
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    file: str
-    line: int | None
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{where}: {self.key or '<top>'}: {self.message}"
-
-
-class ConfigError(Exception):
-    def __init__(self, issues: list[ConfigIssue], files: tuple[Path, ...] = ()):
-        self.issues = issues
-        # The files read (or tried) before the error: what a watcher keeps watching, so that
-        # fixing any of them (creating a missing include) reloads.
-        self.files = files
-        super().__init__("\n".join(str(i) for i in issues))
+__all__ = ["Document", "read_config_file", "read_config_text"]
 
 
 @dataclass(frozen=True)
@@ -51,115 +29,6 @@ class Document:
     files: tuple[Path, ...]  # every file read, the including one first; () for a text
     digest: str  # sha256 over what was read, in order: the same files, the same digest
 
-
-def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
-    """The document as plain data with ${VAR} expanded, and the line of every key in it."""
-    try:
-        root, data = _parse(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([ConfigIssue(filename, line, "", f"invalid YAML: {problem}")]) from exc
-    lines: Lines = {}
-    if root is not None:
-        _collect_lines(root, (), lines, filename)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError([ConfigIssue(filename, 1, "", "the top level must be a mapping")])
-    issues: list[ConfigIssue] = []
-    data = _expand_env(data, (), lines, filename, issues)
-    if issues:
-        raise ConfigError(issues)
-    return data, lines
-
-
-def pos_for(loc: tuple[Any, ...], lines: Lines) -> Pos | None:
-    """Where `loc` was written, else its nearest ancestor (a default has no line of its own)."""
-    for cut in range(len(loc), -1, -1):
-        hit = lines.get(tuple(loc[:cut]))
-        if hit is not None:
-            return hit
-    return None
-
-
-# libyaml when PyYAML was built with it: a 100-model config parses in a few ms instead of ~50.
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def _parse(text: str) -> tuple[yaml.Node | None, Any]:
-    """The node tree (it keeps the line numbers plain data loses) and the data built from it,
-    in one parse."""
-    loader = _LOADER(text)
-    try:
-        root = loader.get_single_node()
-        return root, (loader.construct_document(root) if root is not None else None)
-    finally:
-        loader.dispose()
-
-
-def line_for(loc: tuple[Any, ...], lines: Lines) -> int | None:
-    pos = pos_for(loc, lines)
-    return pos[1] if pos else None
-
-
-def dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def issue_at(filename: str, lines: Lines, loc: tuple[Any, ...], message: str) -> ConfigIssue:
-    """An issue at `loc`, in the file that wrote it (`filename` when nothing did)."""
-    pos = pos_for(loc, lines)
-    return ConfigIssue(pos[0] if pos else filename, pos[1] if pos else None, dotted(loc), message)
-
-
-def _collect_lines(node: yaml.Node, path: Loc, out: Lines, filename: str) -> None:
-    out.setdefault(path, (filename, node.start_mark.line + 1))
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = (*path, str(key_node.value))
-            _collect_lines(value_node, key, out, filename)
-            # A key's own line wins over its value's (a block value starts on the next line).
-            out[key] = (filename, key_node.start_mark.line + 1)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _collect_lines(item, (*path, i), out, filename)
-
-
-def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
-                issues: list[ConfigIssue]) -> Any:
-    """Expand ${VAR} and ${VAR:-default} in string values."""
-    if isinstance(value, dict):
-        return {k: _expand_env(v, (*path, str(k)), lines, filename, issues)
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand_env(v, (*path, i), lines, filename, issues) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def substitute(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
-        if name in os.environ:
-            return os.environ[name]
-        if default is not None:
-            return default
-        issues.append(issue_at(filename, lines, path, f"environment variable {name} is not set"))
-        return ""
-
-    return _ENV_REF.sub(substitute, value)
-
-
-# -- include: -----------------------------------------------------------------------------------
-#
-# `include: [a.yaml, b.yaml]` (or one name) at the top of a file merges those files in first, in
-# order, each relative to the file that names it; the including file's own keys come last. Maps
-# merge key by key (an included file adds models or groups, the includer overrides one model's
-# ttl); any other value (a list, a string, a number) replaces what came before. Included files
-# may include others; a cycle is an error at the `include:` line that closes it.
 
 def read_config_file(path: Path) -> Document:
     """The config at `path` with every file it includes merged in."""

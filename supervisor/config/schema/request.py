@@ -1,17 +1,19 @@
 """The `request:` section: what corral does to a request's body before the model sees it.
-Its own module: the demo profile (supervisor/demo.py) uses it without the whole schema."""
+The demo profile (supervisor/demo.py) uses it without the whole schema."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
+
+from corral.supervisor.config.schema.base import STRICT
 
 
 class RequestFilters(BaseModel):
     """What corral does to a request's body before the model sees it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     defaults: dict[str, Any] = Field(
         {}, description="body fields used when the request does not set them, e.g. "

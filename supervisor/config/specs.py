@@ -3,11 +3,17 @@ and every path absolute. Plain frozen data: backends, policy and the daemon read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from corral.supervisor.config_request import RequestFilters
-from corral.supervisor.config_schema import BackendKind, Defaults, Fallback, GroupType, Selector
+from corral.supervisor.config.schema import (
+    BackendKind,
+    Defaults,
+    Fallback,
+    GroupType,
+    RequestFilters,
+    Selector,
+)
 
 __all__ = ["GroupSpec", "ModelSpec"]
 
@@ -30,7 +36,9 @@ class ModelSpec:
     cache_type_k: str | None
     cache_type_v: str | None
     args: tuple[str, ...]
-    env: dict[str, str]
+    # The child's environment, values in clear (the config holds them as secrets): kept
+    # out of the repr, so a spec that is logged shows no token.
+    env: dict[str, str] = field(repr=False)
     binary: str | None
     start_timeout: float
     max_queue: int

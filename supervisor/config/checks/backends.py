@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 from corral.supervisor.backends.binaries import BinaryNotFound, find_executable, kv_type_problem
 from corral.supervisor.backends.vllm import vllm_command, vllm_kv_type_problem
-from corral.supervisor.config_memory import ladder_step
-from corral.supervisor.config_schema import Config, ModelConfig
-from corral.supervisor.config_specs import ModelSpec
-from corral.supervisor.config_yaml import ConfigIssue, Loc, dotted
+from corral.supervisor.config.issues import ConfigIssue, Loc, dotted
+from corral.supervisor.config.schema import Config, ModelConfig, ladder_step
+from corral.supervisor.config.specs import ModelSpec
 
 __all__ = ["check_backends"]
 

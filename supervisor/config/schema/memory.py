@@ -1,20 +1,21 @@
-"""The memory section of the config and KV cache modes: schema and checks. Split from config.py
-(which resolves them into specs) to keep each file about one concern."""
+"""The `memory:` section, and the KV cache modes a model (or `defaults:`) sets: schema and the
+checks within each."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from corral.supervisor.config.schema.base import STRICT
+from corral.supervisor.config.secrets import SecretOptions
 
 __all__ = ["KvCacheConfig", "MemoryConfig", "ladder_step"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class MemoryConfig(BaseModel):
+    model_config = STRICT
 
-
-class MemoryConfig(_Strict):
     reserve_mb: float = Field(
         512, ge=0, description="per device (each GPU, and RAM): never handed out to children")
     budget_mb: float | None = Field(
@@ -34,7 +35,8 @@ class MemoryConfig(_Strict):
     gpu_reader: str = Field(
         "nvml", description="nvml | none | plugin:package.module:Class | plugin:file.py:Class "
         "(another vendor's GPUs; tests inject numbers this way)")
-    gpu_reader_options: dict[str, Any] = Field({}, description="passed to a plugin reader")
+    gpu_reader_options: SecretOptions = Field(
+        SecretOptions(), description="passed to a plugin reader (secret: shown as **********)")
 
     @model_validator(mode="after")
     def _ordered(self) -> MemoryConfig:
@@ -58,7 +60,9 @@ def ladder_step(step: str) -> tuple[str, str]:
     return (k.strip(), v.strip() if sep else k.strip())
 
 
-class KvCacheConfig(_Strict):
+class KvCacheConfig(BaseModel):
+    model_config = STRICT
+
     mode: Literal["fixed", "auto"] = Field(
         "fixed", description="fixed: cache_type_k/v as set; auto: the best step of the "
         "ladder whose estimate fits the model's memory budget")

@@ -32,7 +32,7 @@ import structlog
 from watchfiles import Change, awatch
 
 from corral.supervisor import discovery, inventory
-from corral.supervisor.config import LoadedConfig
+from corral.supervisor.config.loaded import LoadedConfig
 from corral.supervisor.daemon import Daemon
 
 log = structlog.get_logger("corral.config")

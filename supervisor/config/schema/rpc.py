@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+from corral.supervisor.config.schema.base import STRICT
 
 __all__ = ["PeerConfig", "RpcConfig", "WorkerConfig"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class RpcConfig(BaseModel):
+    model_config = STRICT
 
-
-class RpcConfig(_Strict):
     workers: list[str] = Field(
         min_length=1, description="where the model's layers go: `local` (an rpc-server child on "
         "this machine; on a GPU box the n-th local worker gets the n-th GPU) or a peer's name")
@@ -32,16 +32,20 @@ class RpcConfig(_Strict):
         return value
 
 
-class PeerConfig(_Strict):
+class PeerConfig(BaseModel):
+    model_config = STRICT
+
     url: str = Field(description="the peer corral's address, e.g. http://10.0.0.2:8080")
-    token: str = Field(min_length=1, description="its worker.token (sent as a Bearer key)")
+    token: SecretStr = Field(min_length=1, description="its worker.token (sent as a Bearer key)")
 
 
-class WorkerConfig(_Strict):
+class WorkerConfig(BaseModel):
+    model_config = STRICT
+
     enabled: bool = Field(
         False, description="serve as a worker: no models of its own; peers ask it to run "
         "rpc-servers (also `corral serve --worker`)")
-    token: str | None = Field(
+    token: SecretStr | None = Field(
         None, min_length=1, description="the key peers must send (Bearer); required")
     bind: str = Field(
         "127.0.0.1", description="the address its rpc-servers listen on; rpc-server has no "

@@ -1,135 +1,38 @@
-"""YAML → validated config objects, with errors that point at file:line and the offending key."""
+"""A validated config resolved into what the daemon runs: every model's spec with the defaults
+filled in and paths made absolute, the models found in models_dir, aliases, groups, the
+cross-section checks, the strategy and the GPU reader."""
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from pydantic import ValidationError
-
-from corral.supervisor import demo
-from corral.supervisor.config_backends import check_backends
-from corral.supervisor.config_memory import KvCacheConfig, MemoryConfig, ladder_step
-from corral.supervisor.config_policy import resolve_groups, resolve_strategy
-from corral.supervisor.config_schema import (
-    Config,
-    Defaults,
-    GroupConfig,
-    ModelConfig,
-    PolicyConfig,
-    ReplicasConfig,
-    split_listen,
-)
-from corral.supervisor.config_specs import GroupSpec, ModelSpec
-
-# ConfigIssue and ConfigError live with the YAML handling; importers keep using this module.
-from corral.supervisor.config_yaml import (
+from corral.supervisor.config.checks import check_backends, check_budgets
+from corral.supervisor.config.groups import resolve_groups
+from corral.supervisor.config.issues import (
     ConfigError,
     ConfigIssue,
-    Document,
     Lines,
     Loc,
-    dotted,
     issue_at,
     line_for,
     pos_for,
-    read_config_file,
-    read_config_text,
 )
+from corral.supervisor.config.loaded import LoadedConfig
+from corral.supervisor.config.schema import Config, ModelConfig, ReplicasConfig, ladder_step
+from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.config.strategy import resolve_strategy
 from corral.supervisor.discovery import discover
 from corral.supervisor.memory.devices import GpuReader, NoGpus, load_gpu_reader
 from corral.supervisor.plugins import PluginError
-from corral.supervisor.policy import ModelView, Snapshot, Strategy, load_strategy
 
-__all__ = [
-    "Config", "ConfigError", "ConfigIssue", "Defaults", "GroupConfig", "GroupSpec",
-    "KvCacheConfig", "LoadedConfig", "MemoryConfig", "ModelConfig", "ModelSpec",
-    "PolicyConfig", "ReplicasConfig",
-    "admin_exposure_problem", "admin_is_exposed", "default_config", "load_config",
-    "parse_config", "resolve", "split_listen",
-]
+__all__ = ["VLLM_START_TIMEOUT", "resolve"]
 
 T = TypeVar("T")
 # vLLM loads the model and captures CUDA graphs before /health answers: minutes on a big model.
 VLLM_START_TIMEOUT = 900.0
-
-
-@dataclass(frozen=True)
-class LoadedConfig:
-    """The validated file plus the resolved model table the daemon runs."""
-
-    config: Config
-    models: dict[str, ModelSpec]
-    source: Path | None
-    aliases: dict[str, str] = field(default_factory=dict)
-    groups: dict[str, GroupSpec] = field(default_factory=dict)
-    # File and line of every key, for checks made after loading (`corral check`'s listen).
-    lines: Lines = field(default_factory=dict)
-    # Every file the config was read from (the main one first, then what it includes) and a
-    # hash of their contents: what a reload watches, and how /admin/config names a version.
-    files: tuple[Path, ...] = ()
-    digest: str = ""
-    strategy: Strategy = field(default_factory=lambda: load_strategy("generic", {}, Path()))
-    # Members of groups marked `pinned: true`, and what the strategy keeps loaded on its own
-    # account (as decided from the config alone, with nothing loaded).
-    pinned: frozenset[str] = frozenset()
-    kept: frozenset[str] = frozenset()
-    gpu_reader: GpuReader = field(default_factory=NoGpus)
-    # The folder discovery read (models_dir, relative to the file that set it); None: none.
-    models_folder: Path | None = None
-
-    def snapshot(self, views: tuple[Any, ...] = (), now: float = 0.0) -> Snapshot:
-        """The strategy's view: the models given (default: every model, none loaded)."""
-        if not views:
-            views = tuple(ModelView(name=n, loaded=False, stoppable=False, last_used=0.0,
-                                    ttl=s.ttl) for n, s in self.models.items())
-        return Snapshot(models=views, groups={g.name: g.models for g in self.groups.values()},
-                        max_loaded=self.config.policy.max_loaded, now=now, pinned=self.pinned,
-                        options=self.config.policy.options)
-
-    def issue(self, loc: Loc, message: str) -> ConfigIssue:
-        return issue_at(str(self.source) if self.source else "<config>", self.lines, loc,
-                        message)
-
-
-def load_config(path: Path | str) -> LoadedConfig:
-    """The config at `path` (with its includes), validated whole: every problem, or none."""
-    path = Path(path)
-    return _validated(read_config_file(path), path)
-
-
-def parse_config(text: str, source: Path | None = None) -> LoadedConfig:
-    return _validated(read_config_text(text, source), source)
-
-
-def _validated(doc: Document, source: Path | None) -> LoadedConfig:
-    filename = str(source) if source else "<config>"
-    try:
-        config = Config.model_validate(doc.data)
-    except ValidationError as exc:
-        issues = [issue_at(filename, doc.lines, tuple(err["loc"]), err["msg"])
-                  for err in exc.errors()]
-        raise ConfigError(issues, doc.files) from exc
-    base_dir = source.parent.resolve() if source else Path.cwd()
-    try:
-        return resolve(config, base_dir, source, doc.lines, files=doc.files, digest=doc.digest)
-    except ConfigError as exc:
-        raise ConfigError(exc.issues, doc.files) from exc
-
-
-def default_config(models_dir: Path) -> LoadedConfig:
-    """The embedded default: every *.gguf in models_dir, on demand, under the default policy;
-    the demo model, when there, with the request profile that makes it answer well."""
-    models = {}
-    demo_path = models_dir / demo.FILE
-    if demo_path.is_file():
-        models[demo.NAME] = ModelConfig(model=str(demo_path.resolve()), request=demo.REQUEST)
-    return resolve(Config(models_dir=str(models_dir), models=models), Path.cwd(), None, {})
 
 
 def _capabilities(m: ModelConfig) -> tuple[str, ...]:
@@ -195,7 +98,9 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             cache_type_k=kv_dtype[0],
             cache_type_v=kv_dtype[1],
             args=tuple(m.args),
-            env=dict(m.env),
+            # The child needs the values; the spec is internal (/admin/config shows the
+            # config, where they stay secret).
+            env={key: value.get_secret_value() for key, value in m.env.items()},
             binary=m.binary or config.binary,
             start_timeout=start_timeout,
             max_queue=_inherit(m.max_queue, d.max_queue),
@@ -258,13 +163,14 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
     groups = resolve_groups(config, models, aliases, issues,
                              lambda loc: line_for(loc, lines), filename)
     check_backends(config, models, issues, lambda loc: line_for(loc, lines), filename)
-    _check_memory(config, groups, issues, lambda loc: line_for(loc, lines), filename)
+    check_budgets(config, groups, issues, lambda loc: line_for(loc, lines), filename)
     pinned = frozenset(m for g in groups.values() if g.pinned for m in g.models)
     strategy = resolve_strategy(config, base_of(("policy", "strategy")), models, aliases,
                                  groups, issues, lambda loc: line_for(loc, lines), filename)
     gpu_reader: GpuReader = NoGpus()
     try:
-        gpu_reader = load_gpu_reader(config.memory.gpu_reader, config.memory.gpu_reader_options,
+        gpu_reader = load_gpu_reader(config.memory.gpu_reader,
+                                     config.memory.gpu_reader_options.get_secret_value(),
                                      base_of(("memory", "gpu_reader")))
     except PluginError as exc:
         issues.append(issue_at(filename, lines, ("memory", "gpu_reader"), str(exc)))
@@ -290,57 +196,6 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             f"{f'; {children} children with their replicas' if children > len(kept) else ''}"
             f") but max_loaded is {config.policy.max_loaded}")])
     return dataclasses.replace(loaded, strategy=strategy, kept=kept)
-
-
-def _check_memory(config: Config, groups: dict[str, GroupSpec], issues: list[ConfigIssue],
-                  line: Callable[[Loc], int | None], filename: str) -> None:
-    memory = config.memory
-
-    def problem(loc: Loc, message: str) -> None:
-        issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
-
-    owner: dict[str, str] = {}
-    for group in memory.budgets:
-        loc: Loc = ("memory", "budgets", group)
-        if group not in groups:
-            problem(loc, f"unknown group {group!r}; groups: {', '.join(sorted(groups)) or 'none'}")
-            continue
-        for member in groups[group].models:
-            if member in owner:
-                problem(loc, f"{member!r} is in the budgets of both {owner[member]!r} and "
-                             f"{group!r}; a model lives in one budget")
-            owner.setdefault(member, group)
-    total = sum(memory.budgets.values())
-    if memory.budget_mb is not None and total > memory.budget_mb:
-        problem(("memory", "budgets"), f"the group budgets add up to {total:g} MiB but "
-                                       f"budget_mb is {memory.budget_mb:g}")
-
-
-def admin_is_exposed(config: Config, listen: str) -> bool:
-    """Whether /admin answers without a key to anyone who can reach `listen`."""
-    # Admin falls back to the API keys, and is open when there are neither (proxy/app.py).
-    return not (config.admin_api_keys or config.api_keys) and not _is_loopback(listen)
-
-
-def admin_exposure_problem(config: Config, listen: str) -> str | None:
-    """Why corral must not serve `config` on `listen`, or None. Open admin endpoints (load,
-    unload, logs) on a network address are an accident far more often than a choice, so the
-    choice has to be spelled out as `admin_open: true`."""
-    if not admin_is_exposed(config, listen) or config.admin_open:
-        return None
-    return (f"listening on {listen} (not loopback) with no api_keys or admin_api_keys would "
-            "leave /admin (load, unload, logs) open to the network; set admin_api_keys "
-            "(or api_keys), listen on 127.0.0.1, or set admin_open: true to allow it")
-
-
-def _is_loopback(listen: str) -> bool:
-    host, _ = split_listen(listen)
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # any other name may resolve to anything: treat it as the network
 
 
 def _absolute(path: str, base_dir: Path) -> Path:

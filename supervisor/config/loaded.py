@@ -1,0 +1,54 @@
+"""What loading a config gives the daemon: the validated file, the resolved model and group
+tables, where every key was written, and the strategy and GPU reader built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corral.supervisor.config.issues import ConfigIssue, Lines, Loc, issue_at
+from corral.supervisor.config.schema import Config
+from corral.supervisor.config.specs import GroupSpec, ModelSpec
+from corral.supervisor.memory.devices import GpuReader, NoGpus
+from corral.supervisor.policy import ModelView, Snapshot, Strategy, load_strategy
+
+__all__ = ["LoadedConfig"]
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The validated file plus the resolved model table the daemon runs."""
+
+    config: Config
+    models: dict[str, ModelSpec]
+    source: Path | None
+    aliases: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, GroupSpec] = field(default_factory=dict)
+    # File and line of every key, for checks made after loading (`corral check`'s listen).
+    lines: Lines = field(default_factory=dict)
+    # Every file the config was read from (the main one first, then what it includes) and a
+    # hash of their contents: what a reload watches, and how /admin/config names a version.
+    files: tuple[Path, ...] = ()
+    digest: str = ""
+    strategy: Strategy = field(default_factory=lambda: load_strategy("generic", {}, Path()))
+    # Members of groups marked `pinned: true`, and what the strategy keeps loaded on its own
+    # account (as decided from the config alone, with nothing loaded).
+    pinned: frozenset[str] = frozenset()
+    kept: frozenset[str] = frozenset()
+    gpu_reader: GpuReader = field(default_factory=NoGpus)
+    # The folder discovery read (models_dir, relative to the file that set it); None: none.
+    models_folder: Path | None = None
+
+    def snapshot(self, views: tuple[Any, ...] = (), now: float = 0.0) -> Snapshot:
+        """The strategy's view: the models given (default: every model, none loaded)."""
+        if not views:
+            views = tuple(ModelView(name=n, loaded=False, stoppable=False, last_used=0.0,
+                                    ttl=s.ttl) for n, s in self.models.items())
+        return Snapshot(models=views, groups={g.name: g.models for g in self.groups.values()},
+                        max_loaded=self.config.policy.max_loaded, now=now, pinned=self.pinned,
+                        options=self.config.policy.options.get_secret_value())
+
+    def issue(self, loc: Loc, message: str) -> ConfigIssue:
+        return issue_at(str(self.source) if self.source else "<config>", self.lines, loc,
+                        message)

@@ -1,0 +1,58 @@
+"""The config file's top level: every section, and the settings of corral itself (listen
+address, API keys, ...)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+from corral.supervisor.config.schema.base import STRICT
+from corral.supervisor.config.schema.defaults import Defaults
+from corral.supervisor.config.schema.groups import GroupConfig
+from corral.supervisor.config.schema.memory import MemoryConfig
+from corral.supervisor.config.schema.models import ModelConfig
+from corral.supervisor.config.schema.policy import PolicyConfig
+from corral.supervisor.config.schema.rpc import PeerConfig, WorkerConfig
+
+__all__ = ["Config", "split_listen"]
+
+
+class Config(BaseModel):
+    model_config = STRICT
+
+    include: list[str] | str = Field(
+        [], description="files merged in before this one (relative to it), in order; "
+        "one name or a list")
+    listen: str = "127.0.0.1:8080"
+    models_dir: str | None = None
+    api_keys: list[SecretStr] = []
+    admin_api_keys: list[SecretStr] = []
+    admin_open: bool = Field(
+        False, description="allow /admin without keys on a non-loopback listen address")
+    max_body_mb: float = Field(32, gt=0)
+    shutdown_grace: float = Field(30, ge=0)
+    state_dir: str | None = None
+    binary: str | None = None
+    defaults: Defaults = Defaults()
+    policy: PolicyConfig = PolicyConfig()
+    memory: MemoryConfig = MemoryConfig()
+    models: dict[str, ModelConfig] = {}
+    groups: dict[str, GroupConfig] = {}
+    peers: dict[str, PeerConfig] = Field(
+        {}, description="other corrals that lend their devices (worker mode), by name; a "
+        "model's rpc.workers may name them")
+    worker: WorkerConfig = Field(
+        WorkerConfig(), description="lend this machine's devices to heads (rpc-servers on "
+        "request, authenticated by token)")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_has_port(cls, value: str) -> str:
+        split_listen(value)
+        return value
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
