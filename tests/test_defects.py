@@ -145,7 +145,7 @@ def test_an_unload_ends_stopped_even_when_the_child_dies_during_its_drain(
     def call(key: str, method: str, path: str, **kw: Any) -> None:
         try:
             results[key] = httpx.request(method, corral.url + path, timeout=120, **kw)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+        except BaseException as exc:
             results[key] = exc
 
     stream = threading.Thread(target=call, args=("stream", "POST", "/v1/chat/completions"),

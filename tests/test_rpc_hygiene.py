@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from corral.supervisor.config_rpc import WorkerConfig
+from corral.supervisor.config.schema.rpc import WorkerConfig
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.rpc.lender import Lender, Loan
 from corral.supervisor.rpc.workers import (

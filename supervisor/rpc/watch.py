@@ -13,7 +13,7 @@ import structlog
 from corral.supervisor.port import State
 
 if TYPE_CHECKING:
-    from corral.supervisor.config_rpc import PeerConfig
+    from corral.supervisor.config.schema.rpc import PeerConfig
     from corral.supervisor.instance import Instance
 
 log = structlog.get_logger("corral.rpc")
@@ -66,7 +66,7 @@ class WorkerReturnWatch:
         try:
             async with self._session().get(
                     f"{peer.url.rstrip('/')}/peer/info",
-                    headers={"Authorization": f"Bearer {peer.token}"},
+                    headers={"Authorization": f"Bearer {peer.token.get_secret_value()}"},
                     timeout=aiohttp.ClientTimeout(total=3)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
