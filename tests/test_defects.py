@@ -3,6 +3,7 @@ real llama-server children: each of these failed on main at 661fd5d."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -76,11 +77,9 @@ def test_a_user_key_cannot_cut_off_others_requests_but_may_unload_an_idle_model(
     done = threading.Event()
 
     def stream() -> None:
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             httpx.post(corral.url + "/v1/chat/completions", headers=user, timeout=60,
                        json=_body("tiny-a", max_tokens=4000, ignore_eos=True, stream=True))
-        except httpx.HTTPError:
-            pass
         done.set()
 
     threading.Thread(target=stream).start()
@@ -123,10 +122,8 @@ def test_a_request_timeout_probes_the_child_and_the_next_request_is_served(
         assert time.monotonic() - started < 2  # no second wait for first_byte_timeout
         assert corral.model("tiny-a")["pid"] != pid
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def test_an_unload_ends_stopped_even_when_the_child_dies_during_its_drain(
