@@ -21,13 +21,15 @@ from corral.supervisor.memory.estimate import (
     EstimateError,
     MiB,
     ModelFacts,
-    device_name,
     estimate,
-    fit_params,
-    fit_params_binary,
     kv_bytes,
     kv_cells,
     model_facts,
+)
+from corral.supervisor.memory.llama_reports import (
+    device_name,
+    fit_params,
+    fit_params_binary,
     parse_load_log,
 )
 

@@ -12,18 +12,18 @@ from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorErr
 from corral.supervisor.port import ModelStatus
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
 
-async def load(self, name: str) -> ModelStatus:
+async def load(self: Daemon, name: str) -> ModelStatus:
     # An operator asking explicitly is the retry a back-off waits for.
     lease = await self.acquire(name, ignore_backoff=True)
     lease.release()
     return self.status(name)
 
-async def unload(self, name: str, force: bool = False) -> ModelStatus:
+async def unload(self: Daemon, name: str, force: bool = False) -> ModelStatus:
     """Drain (unless forced) and stop; the model ends STOPPED (requests that queued for it
     are told, not served). The stop belongs to the instance: a caller that hangs up stops
     waiting, the model still ends STOPPED."""
@@ -33,7 +33,7 @@ async def unload(self, name: str, force: bool = False) -> ModelStatus:
     await asyncio.gather(*(r.stop(reason, drain=drain, cause="unload") for r in rs.members))
     return self.status(name)
 
-def load_soon(self, name: str) -> ModelStatus:
+def load_soon(self: Daemon, name: str) -> ModelStatus:
     """Begin loading `name` as the daemon's own task (the caller does not wait): the
     shape llama.cpp's router and Open WebUI expect of POST /models/load. A failure shows
     in the model's state and last_error, and in the log."""
@@ -41,7 +41,7 @@ def load_soon(self, name: str) -> ModelStatus:
     self._spawn_task(self._load_quietly(rs.name))
     return self.status(rs.name)
 
-def unload_soon(self, name: str, *, admin: bool) -> ModelStatus:
+def unload_soon(self: Daemon, name: str, *, admin: bool) -> ModelStatus:
     """Begin draining and stopping `name` (the stop is the instance's own task). A caller
     without an admin key may not stop what the operator keeps loaded, nor cut off the
     requests others have in flight: it may unload an idle model it could load again."""
@@ -58,7 +58,7 @@ def unload_soon(self, name: str, *, admin: bool) -> ModelStatus:
         replica.begin_stop("unloaded by request", drain=drain, cause="unload")
     return self.status(rs.name)
 
-async def _load_quietly(self, name: str) -> None:
+async def _load_quietly(self: Daemon, name: str) -> None:
     # Not an operator's retry (load() ignores the back-off): a client asking again and
     # again must not restart a broken model in a loop.
     try:
@@ -67,7 +67,7 @@ async def _load_quietly(self, name: str) -> None:
     except SupervisorError as exc:
         log.warning("daemon.load_failed", model=name, error=str(exc))
 
-async def rebalance(self, name: str) -> ModelStatus:
+async def rebalance(self: Daemon, name: str) -> ModelStatus:
     """Deploy a model split over RPC workers again, over every worker reachable now, with
     a new split from what each has free: drain, stop, start."""
     inst = self.instance(name)
@@ -76,7 +76,7 @@ async def rebalance(self, name: str) -> ModelStatus:
     await inst.stop("rebalance", drain=self.loaded.config.shutdown_grace, cause="rebalance")
     return await self.load(name)
 
-async def _rebalance_quietly(self, name: str) -> None:
+async def _rebalance_quietly(self: Daemon, name: str) -> None:
     try:
         await self.rebalance(name)
     except SupervisorError as exc:  # the next request tries again

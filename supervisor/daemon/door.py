@@ -25,12 +25,12 @@ from corral.supervisor.instance import Instance, State
 from corral.supervisor.port import Lease
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
 
-async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease:
+async def acquire(self: Daemon, name: str, *, ignore_backoff: bool = False) -> Lease:
     """Lease a ready instance of `name`, starting it (and evicting others) if needed."""
     if self._closing:
         raise ShuttingDown("corral is shutting down")
@@ -76,7 +76,7 @@ async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease:
     finally:
         inst.queue_leave()
 
-async def _acquire_replica(self, rs: ReplicaSet, ignore_backoff: bool) -> Lease:
+async def _acquire_replica(self: Daemon, rs: ReplicaSet, ignore_backoff: bool) -> Lease:
     """Lease the least busy ready replica. Loading the model starts replicas.min children;
     while every replica is busy and a request has waited `scale_after` seconds, one more
     starts (up to replicas.max); TTL retires idle ones. Requests queue on the model (its
@@ -126,14 +126,14 @@ async def _acquire_replica(self, rs: ReplicaSet, ignore_backoff: bool) -> Lease:
     finally:
         model.queue_leave()
 
-def _keep_min_replicas(self, rs: ReplicaSet) -> None:
+def _keep_min_replicas(self: Daemon, rs: ReplicaSet) -> None:
     """A loaded model runs at least replicas.min children (one that died is replaced
     here, at the next request)."""
     up = len(rs.up())
     if 0 < up < rs.spec.replicas_min:
         self._scale_up(rs, rs.spec.replicas_min - up)
 
-def _scale_up(self, rs: ReplicaSet, count: int) -> None:
+def _scale_up(self: Daemon, rs: ReplicaSet, count: int) -> None:
     """Start up to `count` more replicas where the strategy finds room now; no waiting:
     the requests queued meanwhile are served by whichever replica frees first."""
     victim = rs.evicting_for
@@ -159,7 +159,8 @@ def _scale_up(self, rs: ReplicaSet, count: int) -> None:
                  queued=rs.primary.queued)
         count -= 1
 
-async def _ensure_ready(self, inst: Instance, deadline: float, ignore_backoff: bool) -> None:
+async def _ensure_ready(self: Daemon, inst: Instance, deadline: float,
+                        ignore_backoff: bool) -> None:
     loop = asyncio.get_running_loop()
     victim: Instance | None = None  # evicted on our behalf, still on its way out
     room_deadline: float | None = None  # evict_timeout, from the first wait for room
@@ -196,7 +197,7 @@ async def _ensure_ready(self, inst: Instance, deadline: float, ignore_backoff: b
                     f"or pinned ({', '.join(placement.blocked_by)}); retry later")
             await self._changed.wait(min(remaining, room_deadline - now, 1.0))
 
-def _try_start(self, inst: Instance, victim: Instance | None, ignore_backoff: bool,
+def _try_start(self: Daemon, inst: Instance, victim: Instance | None, ignore_backoff: bool,
                ) -> tuple[Instance | None, policy.Placement]:
     """Decide, with no await in between, whether `inst` starts now, and act on it: start
     it, or stop one idle model to make room (returned: the caller waits for it rather
@@ -236,7 +237,7 @@ def _try_start(self, inst: Instance, victim: Instance | None, ignore_backoff: bo
         return victim, placement
     return None, placement
 
-async def _wait_started(self, inst: Instance) -> None:
+async def _wait_started(self: Daemon, inst: Instance) -> None:
     try:
         await inst.wait_ready()
     except asyncio.CancelledError:

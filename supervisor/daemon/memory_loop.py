@@ -16,12 +16,12 @@ from corral.supervisor.instance import LOADED_STATES, State
 from corral.supervisor.memory.view import MIB
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
 
-async def _sample_memory(self) -> None:
+async def _sample_memory(self: Daemon) -> None:
     """Read devices and children (in a thread: psutil walks /proc, NVML asks the driver),
     then adopt the sample on the loop."""
     children = self._live()
@@ -32,7 +32,7 @@ async def _sample_memory(self) -> None:
         if inst.state is State.READY and inst.process is not None:
             self.memory.read_log(inst, inst.process.tail(400))
 
-async def _watch_memory(self) -> None:
+async def _watch_memory(self: Daemon) -> None:
     while True:
         try:
             await self._sample_memory()
@@ -44,7 +44,7 @@ async def _watch_memory(self) -> None:
                                    self.loaded.config.memory.interval)
         self._memory_wake.clear()
 
-def _relieve(self) -> None:
+def _relieve(self: Daemon) -> None:
     """Act on what the strategy says about memory pressure (or its end)."""
     if self._closing:
         return
@@ -66,11 +66,11 @@ def _relieve(self) -> None:
             if self._kv_configured(model):
                 self._change_kv(model, relief.level, relief.reason)
 
-def _kv_configured(self, model: str) -> bool:
+def _kv_configured(self: Daemon, model: str) -> bool:
     rs = self.models.get(model)
     return rs is not None and bool(rs.spec.kv_ladder)
 
-def _change_kv(self, model: str, level: int, reason: str) -> None:
+def _change_kv(self: Daemon, model: str, level: int, reason: str) -> None:
     """Run `model` at another step of its KV ladder: the child restarts with it. When the
     strategy finds room for the new child beside the old one, the new one starts first
     (blue/green); otherwise the old one drains (its requests finish, new ones queue) and
@@ -102,7 +102,7 @@ def _change_kv(self, model: str, level: int, reason: str) -> None:
             replica.begin_stop(why, drain=drain, cause="kv")
     self._restart_after(rs)
 
-def memory_status(self) -> dict[str, Any]:
+def memory_status(self: Daemon) -> dict[str, Any]:
     """The read model of GET /admin/memory."""
     now = time.monotonic()
     view = self.memory.view(self._live(), now)

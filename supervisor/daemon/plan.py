@@ -19,7 +19,7 @@ from corral.supervisor.errors import SupervisorError
 from corral.supervisor.instance import LOADED_STATES, Instance, State
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
@@ -28,7 +28,7 @@ log = structlog.get_logger("corral.daemon")
 EMPTY_SAVE_GRACE_S = 0.5
 
 
-def reload(self, trigger: str) -> asyncio.Task[reloading.ReloadAttempt]:
+def reload(self: Daemon, trigger: str) -> asyncio.Task[reloading.ReloadAttempt]:
     """Read the config again and apply what changed (supervisor/reload.py says what
     applies how). The work is a task the daemon owns: a caller that goes away (an HTTP
     client hanging up) only stops waiting, the reload still completes. Reloads run one
@@ -37,7 +37,7 @@ def reload(self, trigger: str) -> asyncio.Task[reloading.ReloadAttempt]:
         self._reload(trigger), f"reload:{trigger}")
     return task
 
-def config_status(self) -> dict[str, Any]:
+def config_status(self: Daemon) -> dict[str, Any]:
     """The read model of GET /admin/config: the active config and the last attempt."""
     if self._config_view[0] is not self.loaded:  # built once per config, not per poll
         self._config_view = (self.loaded, reloading.config_view(self.loaded))
@@ -48,19 +48,19 @@ def config_status(self) -> dict[str, Any]:
         "recent_reloads": [a.as_dict() for a in self._recent_reloads],  # oldest first
     }
 
-def _load_source(self) -> LoadedConfig:
+def _load_source(self: Daemon) -> LoadedConfig:
     if self.loaded.source is None:
         raise ConfigError([ConfigIssue("<config>", None, "", "corral was started without a "
                                        "config file (-c): there is nothing to reload")])
     return load_config(self.loaded.source)
 
-def _failed(self, trigger: str, started: float, why: str,
+def _failed(self: Daemon, trigger: str, started: float, why: str,
             files: Any = None) -> reloading.ReloadAttempt:
     issue = ConfigIssue(str(self.loaded.source or "<config>"), None, "", why)
     return self._note_reload(reloading.ReloadAttempt.failed(
         trigger, started, [issue], self.loaded.files if files is None else files))
 
-async def _reload(self, trigger: str) -> reloading.ReloadAttempt:
+async def _reload(self: Daemon, trigger: str) -> reloading.ReloadAttempt:
     async with self._reload_lock:
         started = time.monotonic()
         self.events.publish("reloading", trigger=trigger)
@@ -95,7 +95,7 @@ async def _reload(self, trigger: str) -> reloading.ReloadAttempt:
             self._generation += 1
         return self._note_reload(reloading.ReloadAttempt.applied(trigger, started, plan, new))
 
-async def _read_config(self, trigger: str) -> LoadedConfig:
+async def _read_config(self: Daemon, trigger: str) -> LoadedConfig:
     """The config as the files hold it now. A file seen empty just after the watcher saw it
     change is most often a save caught between truncating and writing (an editor writing in
     place): read again for a moment rather than report a failed reload for every save."""
@@ -108,7 +108,7 @@ async def _read_config(self, trigger: str) -> LoadedConfig:
         new = await asyncio.to_thread(self._config_loader)
     return new
 
-def _note_reload(self, attempt: reloading.ReloadAttempt) -> reloading.ReloadAttempt:
+def _note_reload(self: Daemon, attempt: reloading.ReloadAttempt) -> reloading.ReloadAttempt:
     self.last_reload = attempt
     self._recent_reloads.append(attempt)
     self.events.publish("reload", trigger=attempt.trigger, ok=attempt.ok,
@@ -126,7 +126,7 @@ def _note_reload(self, attempt: reloading.ReloadAttempt) -> reloading.ReloadAtte
                   note="the running config stays active")
     return attempt
 
-def _apply_plan(self, plan: reloading.Plan, new: LoadedConfig) -> None:
+def _apply_plan(self: Daemon, plan: reloading.Plan, new: LoadedConfig) -> None:
     """Apply a reload plan in one synchronous step, so no request sees half of it and no
     cancellation stops it halfway. What takes time (drains, stops, restarts) goes on as
     tasks the instances and the daemon own; every state change is the instance's own."""
@@ -196,7 +196,7 @@ def _apply_plan(self, plan: reloading.Plan, new: LoadedConfig) -> None:
             self._spawn_task(self._preload(inst))
     self._changed.fire()
 
-def _begin_switch_over(self, rs: ReplicaSet, change: reloading.ModelChange,
+def _begin_switch_over(self: Daemon, rs: ReplicaSet, change: reloading.ModelChange,
                        backend: Backend, drain: float) -> bool:
     """Blue/green for a ready model whose child-affecting settings changed: start the new
     child beside the old one (which keeps serving) when the strategy finds room for both
@@ -222,7 +222,7 @@ def _begin_switch_over(self, rs: ReplicaSet, change: reloading.ModelChange,
     self._spawn_task(self._switch_over(rs, old, fresh, change, drain))
     return True
 
-async def _switch_over(self, rs: ReplicaSet, old: Instance, fresh: Instance,
+async def _switch_over(self: Daemon, rs: ReplicaSet, old: Instance, fresh: Instance,
                        change: reloading.ModelChange, drain: float) -> None:
     name = rs.name
     try:
@@ -267,7 +267,7 @@ async def _switch_over(self, rs: ReplicaSet, old: Instance, fresh: Instance,
     self._persist_children()
     self._changed.fire()
 
-def _restart_after(self, rs: ReplicaSet) -> None:
+def _restart_after(self: Daemon, rs: ReplicaSet) -> None:
     """A model that was up when its child-affecting settings changed is up again after:
     once its stops have ended, start it with the new spec. Requests that waited meanwhile
     may start it first; this then shares that start."""

@@ -18,43 +18,43 @@ from corral.supervisor.port import ModelStatus
 from corral.supervisor.rpc.plan import layer_need
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 
-def model_names(self) -> list[str]:
+def model_names(self: Daemon) -> list[str]:
     return list(self.models)
 
-def groups(self) -> Mapping[str, GroupSpec]:
+def groups(self: Daemon) -> Mapping[str, GroupSpec]:
     return self.loaded.groups
 
-def describe(self) -> list[dict[str, Any]]:
+def describe(self: Daemon) -> list[dict[str, Any]]:
     now = time.monotonic()
     return [r.describe(now) for rs in self.models.values() for r in rs.members]
 
-def describe_one(self, name: str) -> dict[str, Any]:
+def describe_one(self: Daemon, name: str) -> dict[str, Any]:
     """The admin view of one model's instance named like it (an alias resolves)."""
     return self.instance(name).describe()
 
-def child_logs(self, key: str, lines: int) -> dict[str, Any]:
+def child_logs(self: Daemon, key: str, lines: int) -> dict[str, Any]:
     """The last `lines` lines a model's child (or one replica's, "<model>#<n>") wrote."""
     inst = self.member(key)
     return {"model": inst.name, "pid": inst.pid,
             "lines": inst.process.tail(lines) if inst.process else []}
 
-def status(self, name: str) -> ModelStatus:
+def status(self: Daemon, name: str) -> ModelStatus:
     """One model (a canonical name, an alias) over its replicas. Raises UnknownModel."""
     rs = self.replica_set(name)
     return ModelStatus(rs.name, rs.spec, rs.state(), rs.primary.since)
 
-def statuses(self) -> list[ModelStatus]:
+def statuses(self: Daemon) -> list[ModelStatus]:
     return [self.status(name) for name in self.models]
 
-def ready_now(self, name: str) -> bool:
+def ready_now(self: Daemon, name: str) -> bool:
     """Whether a request for `name` would find a ready child (of any replica) now."""
     rs = self.models.get(name)
     return rs is not None and any(r.state is State.READY for r in rs.members)
 
-def inventory(self, name: str) -> dict[str, Any] | None:
+def inventory(self: Daemon, name: str) -> dict[str, Any] | None:
     """What a model's GGUF file is, for /v1/models (supervisor/inventory.py): its
     architecture, parameters, quantization, native context_length, size_bytes (all
     shards) and whether it has a projector. From memory only; None while the file has
@@ -66,7 +66,7 @@ def inventory(self, name: str) -> dict[str, Any] | None:
     facts = cached_facts(rs.spec.model_path)
     return None if facts is None else {**facts, "mmproj": rs.spec.mmproj is not None}
 
-async def gguf_info(self, name: str) -> dict[str, Any]:
+async def gguf_info(self: Daemon, name: str) -> dict[str, Any]:
     """The model file's metadata and tensors (the gguf package's reader, in a thread), the
     bytes per layer, and for a model split over RPC workers the split it runs with."""
     inst = self.instance(name)
@@ -87,14 +87,14 @@ async def gguf_info(self, name: str) -> dict[str, Any]:
     info["rpc"] = inst.describe()["rpc"]
     return info
 
-async def _read_inventory(self, loaded: LoadedConfig) -> None:
+async def _read_inventory(self: Daemon, loaded: LoadedConfig) -> None:
     """Read the headers of models not read yet (or changed on disk), one at a time in a
     thread: what inventory() answers from."""
     for spec in list(loaded.models.values()):
         if spec.backend == "llama-server":
             await asyncio.to_thread(read_facts, spec.model_path)
 
-async def _prefetch_facts(self, loaded: LoadedConfig) -> None:
+async def _prefetch_facts(self: Daemon, loaded: LoadedConfig) -> None:
     """Read every model file's GGUF header once, in a thread, so the first decision about
     a model does not (the header parse is fast, loading gguf/numpy is not)."""
     for spec in list(loaded.models.values()):

@@ -13,12 +13,12 @@ from corral.supervisor import policy
 from corral.supervisor.instance import State
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
 
-async def _sweep_ttl(self) -> None:
+async def _sweep_ttl(self: Daemon) -> None:
     while True:
         wait: float | None = 1.0
         try:
@@ -28,7 +28,7 @@ async def _sweep_ttl(self) -> None:
             log.exception("daemon.ttl_sweep_failed")
         await asyncio.sleep(min(max(wait or 1.0, 0.05), 1.0))
 
-def _expire_idle(self, now: float) -> float | None:
+def _expire_idle(self: Daemon, now: float) -> float | None:
     """Stop what has been idle past its TTL; seconds until the next could expire.
     Decision and stop happen in one synchronous step (begin_stop leaves READY at once),
     so a request arriving meanwhile either got its slot first (then the model is busy
@@ -44,7 +44,7 @@ def _expire_idle(self, now: float) -> float | None:
     wait: float | None = self._decide("next_expiry", 1.0, snap)
     return wait
 
-def _keep_up(self, snap: policy.Snapshot) -> None:
+def _keep_up(self: Daemon, snap: policy.Snapshot) -> None:
     """What the strategy keeps loaded and crashed comes back (after its start back-off);
     one an operator unloaded stays down until asked for."""
     if self._closing:

@@ -16,12 +16,12 @@ from corral.supervisor.instance import LOADED_STATES, Instance, State
 from corral.supervisor.memory.view import Footprint
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.daemon.core import Daemon
 
 log = structlog.get_logger("corral.daemon")
 
 
-def _snapshot(self, now: float | None = None) -> policy.Snapshot:
+def _snapshot(self: Daemon, now: float | None = None) -> policy.Snapshot:
     now = time.monotonic() if now is None else now
     views = tuple(self._view(i) for rs in self.models.values() for i in rs.members) \
         + tuple(policy.ModelView(
@@ -39,10 +39,10 @@ def _snapshot(self, now: float | None = None) -> policy.Snapshot:
     return dataclasses.replace(snap, memory=self.memory.view(self._live(), now),
                                estimate=self._estimate)
 
-def _live(self) -> list[Instance]:
+def _live(self: Daemon) -> list[Instance]:
     return [i for i in self._everyone() if i.pid is not None and i.state in LOADED_STATES]
 
-def _view(self, i: Instance) -> policy.ModelView:
+def _view(self: Daemon, i: Instance) -> policy.ModelView:
     spec = i.spec
     rs = self.models.get(i.model)
     ladder = tuple(policy.KvCache(k, v) for k, v in self.memory.ladder(spec)) \
@@ -81,10 +81,10 @@ def _view(self, i: Instance) -> policy.ModelView:
         kv_changing=for_kv or restarting or (rs is not None and rs.incoming is not None),
     )
 
-def _footprint(self, inst: Instance) -> Footprint:
+def _footprint(self: Daemon, inst: Instance) -> Footprint:
     return self.memory.footprint(inst) if inst.state in LOADED_STATES else {}
 
-def _estimate(self, name: str, kv: policy.KvCache | None) -> Footprint:
+def _estimate(self: Daemon, name: str, kv: policy.KvCache | None) -> Footprint:
     """The snapshot's estimate: what `name` (a model, a replica, "<m> (new)") takes when
     started with `kv` (None: its configured types)."""
     base = name.removesuffix(" (new)")
@@ -101,7 +101,7 @@ def _estimate(self, name: str, kv: policy.KvCache | None) -> Footprint:
                                    kv.type_v or spec.cache_type_v) if kv else
                             (spec.cache_type_k, spec.cache_type_v))
 
-def _begin_start(self, inst: Instance, snap: policy.Snapshot, view_name: str,
+def _begin_start(self: Daemon, inst: Instance, snap: policy.Snapshot, view_name: str,
                  reason: str = "demand") -> None:
     """Start `inst` with the KV types the strategy picks for it; it counts at its
     estimate until measured."""
@@ -110,7 +110,7 @@ def _begin_start(self, inst: Instance, snap: policy.Snapshot, view_name: str,
                      tune=self._tune, reason=reason)
     self.memory.started(inst)
 
-def _tune(self, spec: ModelSpec) -> ModelSpec:
+def _tune(self: Daemon, spec: ModelSpec) -> ModelSpec:
     """The backend's last word on a start's settings, from what it needs per device
     (a vLLM child's share of the GPU)."""
     try:
@@ -120,7 +120,7 @@ def _tune(self, spec: ModelSpec) -> ModelSpec:
         log.exception("daemon.tune_failed", model=spec.name)
         return spec
 
-def _decide(self, decision: str, fallback: Any, *args: Any) -> Any:
+def _decide(self: Daemon, decision: str, fallback: Any, *args: Any) -> Any:
     """Ask the strategy. A plugin that raises must not take requests down with it: the
     error is logged (once per kind of failure) and `fallback` stands in."""
     try:

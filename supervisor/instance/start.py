@@ -33,13 +33,13 @@ if TYPE_CHECKING:
     from corral.supervisor.instance.core import Instance
 
 
-def backoff_left(self, now: float | None = None) -> float:
+def backoff_left(self: Instance, now: float | None = None) -> float:
     """Seconds before a failed model may be started again (0: now)."""
     if self.state is not State.FAILED or self._retry_at is None:
         return 0.0
     return max(0.0, self._retry_at - (now or time.monotonic()))
 
-def begin_start(self, session: aiohttp.ClientSession,
+def begin_start(self: Instance, session: aiohttp.ClientSession,
                 on_spawn: Callable[[Instance], None],
                 kv_cache: tuple[str | None, str | None] | None = None,
                 tune: Callable[[ModelSpec], ModelSpec] | None = None,
@@ -75,7 +75,7 @@ def begin_start(self, session: aiohttp.ClientSession,
                          restart=restart)
     self._start_task = owned_task(self._start(session, on_spawn), f"start:{self.name}")
 
-async def wait_ready(self) -> None:
+async def wait_ready(self: Instance) -> None:
     """Wait for the shared start to finish; raises its StartFailed for every waiter."""
     task = self._start_task
     if task is None:
@@ -83,7 +83,7 @@ async def wait_ready(self) -> None:
     # Shield: one impatient client hanging up must not cancel the start for the others.
     await asyncio.shield(task)
 
-async def _start(self, session: aiohttp.ClientSession,
+async def _start(self: Instance, session: aiohttp.ClientSession,
                  on_spawn: Callable[[Instance], None]) -> None:
     began = time.monotonic()
     progress = asyncio.create_task(self._report_progress(began), name=f"load:{self.name}")
@@ -121,12 +121,12 @@ async def _start(self, session: aiohttp.ClientSession,
     self._swap(State.STARTING, State.READY)
     self._watch(session, process)
 
-async def _stop_own_child(self) -> None:
+async def _stop_own_child(self: Instance) -> None:
     process = self.process
     if process is not None and process.pid is not None:
         await stop_uncancellable(process)
 
-async def _report_progress(self, began: float, every: float = 1.0) -> None:
+async def _report_progress(self: Instance, began: float, every: float = 1.0) -> None:
     """While the child loads: what corral can honestly know of its progress, each
     second: the time it has taken so far and the last line of the child's log."""
     while self.state is State.STARTING:
@@ -138,7 +138,7 @@ async def _report_progress(self, began: float, every: float = 1.0) -> None:
                              pid=self.pid, elapsed=round(time.monotonic() - began, 1),
                              log=tail[-1][-300:] if tail else None)
 
-def _note_start_failure(self) -> None:
+def _note_start_failure(self: Instance) -> None:
     self.start_failures += 1
     base = self.spec.start_backoff
     if base <= 0:
@@ -149,11 +149,11 @@ def _note_start_failure(self) -> None:
     self._log.warning("instance.start_backoff", failures=self.start_failures,
                       retry_in=round(delay, 3))
 
-def _fail_start(self, message: str) -> None:
+def _fail_start(self: Instance, message: str) -> None:
     if self.state is State.STARTING:  # a stop may have taken over meanwhile
         self._swap(State.STARTING, State.FAILED, message)
 
-async def _spawn_and_wait(self, session: aiohttp.ClientSession,
+async def _spawn_and_wait(self: Instance, session: aiohttp.ClientSession,
                           on_spawn: Callable[[Instance], None],
                           last_try: bool) -> ChildProcess | None:
     """One start attempt: the healthy child, or None when it lost its port (retry)."""
@@ -190,7 +190,7 @@ async def _spawn_and_wait(self, session: aiohttp.ClientSession,
         await stop_uncancellable(process)
         raise
     try:
-        on_spawn(self)  # type: ignore[arg-type]
+        on_spawn(self)
         await process.wait_healthy(self._readiness(session), self.spec.start_timeout)
     except ChildExited as exc:
         await stop_uncancellable(process)
@@ -220,7 +220,7 @@ async def _spawn_and_wait(self, session: aiohttp.ClientSession,
         raise StartFailed(message) from exc
     return process
 
-async def _deploy(self) -> Deployment:
+async def _deploy(self: Instance) -> Deployment:
     """Start the model's RPC workers and plan its split; the head's argv takes both.
     On any failure (cancellation included) no worker is left running."""
     if self._deployer is None:
@@ -242,7 +242,8 @@ async def _deploy(self) -> Deployment:
         tensor_split=deployment.plan.layers)
     return deployment
 
-def _readiness(self, session: aiohttp.ClientSession) -> Callable[[float], Awaitable[bool]]:
+def _readiness(self: Instance, session: aiohttp.ClientSession,
+               ) -> Callable[[float], Awaitable[bool]]:
     """The start's readiness probe: /health answers 200 and, for a backend that answers
     it early (vLLM), /v1/models lists the model's name."""
     base = f"http://127.0.0.1:{self.port}"

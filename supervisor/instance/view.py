@@ -9,10 +9,10 @@ from corral.supervisor.instance.state import LOADED_STATES
 from corral.supervisor.port import State
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.instance.core import Instance
 
 
-def _rpc_state(self) -> dict[str, Any] | None:
+def _rpc_state(self: Instance) -> dict[str, Any] | None:
     if not self.spec.rpc_workers:
         return None
     live = self.deployment if self.state in LOADED_STATES else None
@@ -21,7 +21,7 @@ def _rpc_state(self) -> dict[str, Any] | None:
             "deployed": live.describe() if live else None,
             "missing": list(live.missing) if live else []}
 
-def describe(self, now_mono: float | None = None) -> dict[str, Any]:
+def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
     now = now_mono or time.monotonic()
     idle = self.idle_seconds(now)
     ttl_left = None

@@ -14,16 +14,16 @@ from corral.supervisor.port import State
 from corral.supervisor.process import ChildProcess, probe_health
 
 if TYPE_CHECKING:
-    pass
+    from corral.supervisor.instance.core import Instance
 
 
-def _watch(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
+def _watch(self: Instance, session: aiohttp.ClientSession, process: ChildProcess) -> None:
     self._exit_task = asyncio.create_task(self._watch_exit(process),
                                           name=f"exit:{self.name}")
     self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
                                               name=f"watchdog:{self.name}")
 
-async def _watch_exit(self, process: ChildProcess) -> None:
+async def _watch_exit(self: Instance, process: ChildProcess) -> None:
     code = await process.wait()
     process.sweep_group()  # helpers it forked die with it, while the group id is ours
     if self.process is not process:
@@ -39,11 +39,11 @@ async def _watch_exit(self, process: ChildProcess) -> None:
         # may begin under it). Marked dead: the exit code says more than "gone".
         self._noted(message)
 
-def killed_as_unresponsive(self) -> bool:
+def killed_as_unresponsive(self: Instance) -> bool:
     """Whether the current child was killed by the watchdog (it stopped answering)."""
     return self._unresponsive_pid is not None and self._unresponsive_pid == self.pid
 
-def mark_if_dead(self) -> None:
+def mark_if_dead(self: Instance) -> None:
     """A request saw the child break: if it is gone, fail the instance now, before the
     exit watcher runs, so no other request is handed its port."""
     if self.child_alive():
@@ -55,14 +55,14 @@ def mark_if_dead(self) -> None:
     elif self.state is State.DRAINING:
         self._noted(message)  # the drain ends now; its stop goes on to STOPPED
 
-async def settle_exit(self, within: float) -> None:
+async def settle_exit(self: Instance, within: float) -> None:
     task = self._exit_task
     if task is None or task.done():
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(task), within)
 
-async def probe_now(self) -> bool:
+async def probe_now(self: Instance) -> bool:
     """A request to this child timed out: ask /health at once (one probe shared by every
     request that asks meanwhile) and kill the child when it does not answer, so the next
     request gets a fresh child instead of the same wait. True: it answered."""
@@ -76,7 +76,8 @@ async def probe_now(self) -> bool:
         self._probe_task = task
     return await asyncio.shield(task)
 
-async def _probe_once(self, session: aiohttp.ClientSession, process: ChildProcess) -> bool:
+async def _probe_once(self: Instance, session: aiohttp.ClientSession,
+                      process: ChildProcess) -> bool:
     url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
     problem = await probe_health(session, url, self.spec.health_timeout)
     self.health.last_probe = time.time()
@@ -89,7 +90,7 @@ async def _probe_once(self, session: aiohttp.ClientSession, process: ChildProces
                                                   f"probe failed ({problem})")
     return False
 
-async def _declare_unresponsive(self, process: ChildProcess, why: str) -> None:
+async def _declare_unresponsive(self: Instance, process: ChildProcess, why: str) -> None:
     self._unresponsive_pid = process.pid
     message = f"{self.name} stopped answering: {why}; killed pid {process.pid}"
     self._log.warning("instance.unresponsive", pid=process.pid, why=why)
@@ -99,7 +100,7 @@ async def _declare_unresponsive(self, process: ChildProcess, why: str) -> None:
         self._noted(message)
     await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
 
-async def _watchdog(self, session: aiohttp.ClientSession, process: ChildProcess) -> None:
+async def _watchdog(self: Instance, session: aiohttp.ClientSession, process: ChildProcess) -> None:
     """Probe /health of a ready child; kill it after `health_failures` misses in a row.
     /health never touches the slots, so probing it cannot hide a request's cancellation."""
     url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"

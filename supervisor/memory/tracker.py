@@ -21,7 +21,8 @@ from corral.supervisor.backends import backend_for
 from corral.supervisor.config.schema.memory import MemoryConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.devices import Device, GpuReader, RamReader
-from corral.supervisor.memory.estimate import Estimate, parse_load_log
+from corral.supervisor.memory.estimate import Estimate
+from corral.supervisor.memory.llama_reports import parse_load_log
 from corral.supervisor.memory.view import MIB, DeviceView, Footprint, MemoryView
 
 log = structlog.get_logger("corral.memory")
