@@ -230,18 +230,26 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
     from corral.proxy import group_routes
     from corral.proxy.groups import GroupOutcome
     from corral.supervisor.config import GroupSpec
+    from corral.supervisor.port import Broken, Lease
 
     broke: list[bool] = []
     released: list[bool] = []
-    lease = SimpleNamespace(
-        base_url="http://127.0.0.1:9", headers={},
-        instance=SimpleNamespace(pid=1, last_error=None,
-                                 spec=SimpleNamespace(first_byte_timeout=5, idle_timeout=5)),
-        child_alive=lambda: True, release=lambda: released.append(True))
 
-    async def upstream_broke(within: float = 0.5) -> None:
-        broke.append(True)
-    lease.upstream_broke = upstream_broke
+    class Owner:
+        """The supervisor's side of the lease (the port's LeaseOwner)."""
+
+        def _give_back(self, _lease: Lease) -> None:
+            released.append(True)
+
+        def _child_alive(self, _lease: Lease) -> bool:
+            return True
+
+        async def _broken(self, _lease: Lease, timed_out: bool) -> Broken:
+            broke.append(True)
+            return Broken(unresponsive=False, detail=None)
+
+    lease = Lease(Owner(), model="a", instance="a", pid=1, base_url="http://127.0.0.1:9",
+                  headers={}, first_byte_timeout=5, idle_timeout=5, ready_since=0.0)
 
     async def acquire(_model: str, **_kw: Any) -> Any:
         return lease

@@ -38,7 +38,6 @@ async def acquire(self: Daemon, name: str, *, ignore_backoff: bool = False) -> L
     inst = rs.primary
     if inst.state is State.READY and not inst.slots_full and inst.spec.replicas_max == 1:
         return await inst.take_slot(inst.spec.queue_timeout)  # the hot path: no waiting
-    _refuse_if_unloading(inst)
     if inst.spec.replicas_max > 1:
         return await self._acquire_replica(rs, ignore_backoff)
     # Bounded in every state: a cold, starting or draining model queues no more than a
@@ -247,14 +246,9 @@ async def _wait_started(self: Daemon, inst: Instance) -> None:
         # The start was called off (unload, eviction): go round; it may start again.
 
 
-def _refuse_if_unloading(inst: Instance) -> None:
-    if inst.intent.unloading:
-        raise Unloaded(f"{inst.model} is being unloaded; it loads again on the next request "
-                       f"once stopped")
-
-
 def _refuse_if_unloaded(inst: Instance, seen: int) -> None:
     """A request that queued before an unload is told, not served: an unload ends with the
-    model stopped, not started again by the requests that waited on it."""
+    model stopped, not started again by the requests that waited on it. One that arrives
+    after the unload began waits for its stop to end, then starts the model anew."""
     if inst.unloads != seen:
         raise Unloaded(f"{inst.model} was unloaded while this request waited for it")

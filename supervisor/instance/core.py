@@ -308,7 +308,6 @@ class Instance:
         loop = asyncio.get_running_loop()
         if cause == "unload":
             self.unloads += 1  # requests queued before this are told, not served
-            self.intent.unloading = True
         if self.stop_pending:
             assert self._stop_task is not None
             if drain <= 0 and self._drain_until > loop.time():
@@ -316,7 +315,6 @@ class Instance:
                 self._state_changed.fire()
             return self._stop_task
         if self.state is State.STOPPED:
-            self.intent.unloading = False
             return None
         if self.state is State.READY and drain > 0:
             self._drain_until = loop.time() + drain
@@ -380,7 +378,6 @@ class Instance:
                 self._exit_task.cancel()
                 self._exit_task = None
             self._marked_dead = False
-            self.intent.unloading = False
             if self.state is State.DRAINING:  # cancelled mid-drain (shutdown)
                 self._swap(State.DRAINING, State.STOPPING)
             self._swap(State.STOPPING, State.STOPPED)

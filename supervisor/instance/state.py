@@ -41,7 +41,6 @@ class Intent:
     for_kv: bool = False  # that restart is for a KV step (it keeps its room meanwhile)
     preloading: bool = False  # the daemon loads it (kept loaded by the policy)
     retiring: bool = False  # removed or replaced: serves no new request, goes once drained
-    unloading: bool = False  # an unload is under way: queued requests are told, not served
 
 
 class Changed:
