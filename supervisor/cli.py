@@ -31,6 +31,7 @@ from corral.supervisor.config import (
     load_config,
     split_listen,
 )
+from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import default_state_dir
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -96,6 +97,7 @@ def _check(files: list[Path]) -> int:
     for path in files:
         try:
             loaded = load_config(path)
+            build_runtime(loaded)  # the strategy and GPU reader it names must build
         except ConfigError as exc:
             failed = True
             for issue in exc.issues:
@@ -275,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
     try:
         loaded = _loader(args)()
+        runtime = build_runtime(loaded)
     except ConfigError as exc:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
@@ -299,8 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    return uvloop.run(_run(loaded, host, port, state_file, _reload_loader(args, listen),
-                           watch=not args.no_watch))
+    return uvloop.run(_run(loaded, runtime, host, port, state_file,
+                           _reload_loader(args, listen), watch=not args.no_watch))
 
 
 def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
@@ -314,7 +317,7 @@ def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
                    digest=loaded.digest)
 
 
-async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
+async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, state_file: Path,
                loader: Callable[[], LoadedConfig], watch: bool) -> int:
     import faulthandler
 
@@ -325,7 +328,7 @@ async def _run(loaded: LoadedConfig, host: str, port: int, state_file: Path,
     from corral.supervisor.daemon import Daemon
     from corral.supervisor.sdnotify import ServiceNotifier
 
-    daemon = Daemon(loaded, state_file, config_loader=loader)
+    daemon = Daemon(loaded, state_file, config_loader=loader, runtime=runtime)
     await daemon.start()
     # Under systemd (Type=notify): READY=1 once listening, below; RELOADING=1, STOPPING=1 and
     # STATUS= from the daemon's events; WATCHDOG=1 from this loop. Elsewhere it does nothing.

@@ -82,7 +82,10 @@ class Plan:
         }
 
 
-def diff(old: LoadedConfig, new: LoadedConfig) -> Plan:
+def diff(old: LoadedConfig, new: LoadedConfig,
+         kept: tuple[frozenset[str], frozenset[str]] | None = None) -> Plan:
+    """What changed from `old` to `new`. `kept`: what the strategy keeps loaded under each (the
+    daemon's runtime decides it); without it, the members of pinned groups."""
     keep: list[str] = []
     update: list[ModelChange] = []
     replace: list[ModelChange] = []
@@ -100,7 +103,8 @@ def diff(old: LoadedConfig, new: LoadedConfig) -> Plan:
             child = []
         change = ModelChange(name, spec, changed)
         (replace if child else update).append(change)
-    was_pinned, now_pinned = _pinned(old), _pinned(new)
+    was_pinned, now_pinned = (set(kept[0]), set(kept[1])) if kept else \
+        (set(old.pinned), set(new.pinned))
     return Plan(
         keep=tuple(keep),
         update=tuple(update),
@@ -132,10 +136,6 @@ def _threads_not_in_argv(loaded: LoadedConfig, spec: ModelSpec) -> bool:
     configured = loaded.config.models.get(spec.name)
     return (configured is None or configured.threads is None) \
         and loaded.config.defaults.threads is None
-
-
-def _pinned(loaded: LoadedConfig) -> set[str]:
-    return set(loaded.kept)
 
 
 def _changed_keys(old: Config, new: Config) -> list[str]:

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 from corral.supervisor.config import MASK, ConfigError, LoadedConfig, SecretOptions, parse_config
 from corral.supervisor.config.schema import Config
 from corral.supervisor.reload import ReloadAttempt, config_view, diff
+from corral.supervisor.runtime import build_runtime
 
 from conftest import REPO, CorralFactory, tiny_config
 
@@ -87,9 +88,10 @@ def test_the_code_that_needs_a_secret_still_gets_its_value(loaded: LoadedConfig)
     assert config.worker.token.get_secret_value() == WORKER_TOKEN
     assert [k.get_secret_value() for k in config.api_keys] == [USER_KEY]
     assert loaded.models["a"].env == {"HF_TOKEN": HF_TOKEN}  # what the child is given
-    assert loaded.strategy.options["api_key"] == STRATEGY_SECRET  # what the plugin is given
+    runtime = build_runtime(loaded)
+    assert runtime.strategy.options["api_key"] == STRATEGY_SECRET  # what the plugin is given
     assert config.memory.gpu_reader_options.get_secret_value()["token"] == READER_SECRET
-    assert loaded.gpu_reader.path == Path(  # type: ignore[attr-defined]
+    assert runtime.gpu_reader.path == Path(  # type: ignore[attr-defined]
         config.memory.gpu_reader_options.get_secret_value()["path"])
 
 

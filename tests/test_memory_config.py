@@ -21,13 +21,14 @@ from corral.supervisor.backends.binaries import (
 )
 from corral.supervisor.config import ConfigError, parse_config
 from corral.supervisor.memory.devices import NvmlReader, RamReader
+from corral.supervisor.runtime import build_runtime
 
 LLAMA_SERVER = find_executable(None, ("llama-server",))
 
 
 def issues(text: str) -> list[str]:
     with pytest.raises(ConfigError) as caught:
-        parse_config(text)
+        build_runtime(parse_config(text))  # the GPU reader is built by the daemon's runtime
     return [str(i) for i in caught.value.issues]
 
 
@@ -79,21 +80,26 @@ models:
 def test_memory_mistakes_are_reported_with_their_lines(tmp_path: Path) -> None:
     text = "\n".join(issues("memory: {low_watermark: 90, critical_watermark: 80}\n"))
     assert "critical_watermark (80) is below low_watermark (90)" in text
-    text = "\n".join(issues(f"""\
+    text = "\n".join(issues("""\
 memory:
   budget_mb: 1000
-  budgets: {{core: 800, other: 400, nope: 10}}
-  gpu_reader: plugin:{tmp_path}/missing.py:Reader
+  budgets: {core: 800, other: 400, nope: 10}
 models:
-  a: {{model: a.gguf}}
+  a: {model: a.gguf}
 groups:
-  core: {{models: [a]}}
-  other: {{models: [a]}}
+  core: {models: [a]}
+  other: {models: [a]}
 """))
     assert "<config>:3: memory.budgets.nope: unknown group 'nope'" in text
     assert "'a' is in the budgets of both 'core' and 'other'" in text
     assert "the group budgets add up to 1210 MiB but budget_mb is 1000" in text
-    assert "<config>:4: memory.gpu_reader: plugin file" in text and "does not exist" in text
+    text = "\n".join(issues(f"""\
+memory:
+  gpu_reader: plugin:{tmp_path}/missing.py:Reader
+models:
+  a: {{model: a.gguf}}
+"""))
+    assert "<config>:2: memory.gpu_reader: plugin file" in text and "does not exist" in text
 
 
 def test_ram_is_read_for_real_with_each_childs_process_tree() -> None:

@@ -17,6 +17,7 @@ from corral.supervisor.policy import (
     StrategyError,
     load_strategy,
 )
+from corral.supervisor.runtime import Runtime, build_runtime
 
 
 def view(name, loaded=True, stoppable=True, last_used=0.0, ttl=300.0, size=0):
@@ -190,17 +191,38 @@ groups:
 
 def config_error(text):
     with pytest.raises(ConfigError) as caught:
-        parse_config(BASE + text)
+        build_runtime(parse_config(BASE + text))
     return str(caught.value)
 
 
 def test_the_config_builds_each_strategy_and_what_it_keeps_loaded():
-    assert parse_config(BASE).kept == frozenset()
-    assert parse_config(BASE + "policy: {strategy: pinned-group, groups: [g1]}").kept == {"a", "b"}
-    multi = parse_config(BASE + "policy: {strategy: multi-group, shares: {g1: 2, g2: 1}}")
+    def built(text: str) -> Runtime:
+        return build_runtime(parse_config(BASE + text))
+
+    assert built("").kept == frozenset()
+    assert built("policy: {strategy: pinned-group, groups: [g1]}").kept == {"a", "b"}
+    multi = built("policy: {strategy: multi-group, shares: {g1: 2, g2: 1}}")
     assert isinstance(multi.strategy, MultiGroup) and multi.kept == {"a", "b"}
-    fixed = parse_config(BASE + "policy: {strategy: fixed-appliance, models: [a, c]}")
-    assert fixed.kept == {"a", "c"}
+    assert built("policy: {strategy: fixed-appliance, models: [a, c]}").kept == {"a", "c"}
+
+
+def test_loading_a_config_imports_no_plugin_the_daemon_builds_them(tmp_path):
+    """Config is data: a plugin strategy and GPU reader are named by the config, imported and
+    built only by build_runtime (the daemon, `corral check`, a reload)."""
+    marker = tmp_path / "imported"
+    (tmp_path / "noisy.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('yes')\n"
+        "from corral.supervisor.policy import Generic\n"
+        "class Noisy(Generic):\n    pass\n")
+    loaded = parse_config(BASE + f"policy: {{strategy: 'plugin:{tmp_path}/noisy.py:Noisy'}}\n"
+                                 "memory: {gpu_reader: none}\n")
+    assert not marker.exists()
+    assert loaded.strategy.spec.endswith("noisy.py:Noisy")
+    runtime = build_runtime(loaded)
+    assert marker.exists() and type(runtime.strategy).__name__ == "Noisy"
+    missing = parse_config(BASE + f"policy: {{strategy: 'plugin:{tmp_path}/gone.py:X'}}\n")
+    with pytest.raises(ConfigError, match=r"policy\.strategy"):
+        build_runtime(missing)
 
 
 def test_strategy_settings_are_checked_with_the_line_they_are_on():

@@ -1,5 +1,6 @@
 """What loading a config gives the daemon: the validated file, the resolved model and group
-tables, where every key was written, and the strategy and GPU reader built from it."""
+tables, where every key was written, and which strategy and GPU reader it names (as data: the
+daemon builds them, supervisor/runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,23 @@ from typing import Any
 
 from corral.supervisor.config.issues import ConfigIssue, Lines, Loc, issue_at
 from corral.supervisor.config.schema import Config
+from corral.supervisor.config.secrets import SecretOptions
 from corral.supervisor.config.specs import GroupSpec, ModelSpec
-from corral.supervisor.memory.devices import GpuReader, NoGpus
-from corral.supervisor.policy import ModelView, Snapshot, Strategy, load_strategy
+from corral.supervisor.policy import ModelView, Snapshot
 
-__all__ = ["LoadedConfig"]
+__all__ = ["LoadedConfig", "PluginChoice"]
+
+
+@dataclass(frozen=True)
+class PluginChoice:
+    """A strategy or GPU reader the config names: a built-in name or `plugin:...`, the options
+    it is built with (secret: a plugin's options may hold tokens), the folder a plugin file is
+    found relative to, and where in the config it was named (for errors)."""
+
+    spec: str
+    options: SecretOptions = field(default_factory=SecretOptions)
+    base_dir: Path = Path()
+    loc: Loc = ()
 
 
 @dataclass(frozen=True)
@@ -31,12 +44,10 @@ class LoadedConfig:
     # hash of their contents: what a reload watches, and how /admin/config names a version.
     files: tuple[Path, ...] = ()
     digest: str = ""
-    strategy: Strategy = field(default_factory=lambda: load_strategy("generic", {}, Path()))
-    # Members of groups marked `pinned: true`, and what the strategy keeps loaded on its own
-    # account (as decided from the config alone, with nothing loaded).
+    strategy: PluginChoice = field(default_factory=lambda: PluginChoice("generic"))
+    # Members of groups marked `pinned: true`.
     pinned: frozenset[str] = frozenset()
-    kept: frozenset[str] = frozenset()
-    gpu_reader: GpuReader = field(default_factory=NoGpus)
+    gpu_reader: PluginChoice = field(default_factory=lambda: PluginChoice("nvml"))
     # The folder discovery read (models_dir, relative to the file that set it); None: none.
     models_folder: Path | None = None
 

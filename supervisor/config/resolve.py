@@ -4,7 +4,6 @@ cross-section checks, the strategy and the GPU reader."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import TypeVar
@@ -20,13 +19,11 @@ from corral.supervisor.config.issues import (
     line_for,
     pos_for,
 )
-from corral.supervisor.config.loaded import LoadedConfig
+from corral.supervisor.config.loaded import LoadedConfig, PluginChoice
 from corral.supervisor.config.schema import Config, ModelConfig, ReplicasConfig, ladder_step
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.config.strategy import resolve_strategy
 from corral.supervisor.discovery import discover
-from corral.supervisor.memory.devices import GpuReader, NoGpus, load_gpu_reader
-from corral.supervisor.plugins import PluginError
 
 __all__ = ["VLLM_START_TIMEOUT", "resolve"]
 
@@ -167,35 +164,14 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
     pinned = frozenset(m for g in groups.values() if g.pinned for m in g.models)
     strategy = resolve_strategy(config, base_of(("policy", "strategy")), models, aliases,
                                  groups, issues, lambda loc: line_for(loc, lines), filename)
-    gpu_reader: GpuReader = NoGpus()
-    try:
-        gpu_reader = load_gpu_reader(config.memory.gpu_reader,
-                                     config.memory.gpu_reader_options.get_secret_value(),
-                                     base_of(("memory", "gpu_reader")))
-    except PluginError as exc:
-        issues.append(issue_at(filename, lines, ("memory", "gpu_reader"), str(exc)))
-    if issues:
+    reader = PluginChoice(config.memory.gpu_reader, config.memory.gpu_reader_options,
+                          base_of(("memory", "gpu_reader")), ("memory", "gpu_reader"))
+    if issues or strategy is None:
         raise ConfigError(issues)
-    loaded = LoadedConfig(config=config, models=models, source=source, aliases=aliases,
-                          groups=groups, lines=lines, files=files, digest=digest,
-                          pinned=pinned, gpu_reader=gpu_reader, models_folder=models_folder)
-    if strategy is None:
-        return loaded
-    try:
-        kept = frozenset(strategy.keep_loaded(loaded.snapshot())) & set(models)
-    except Exception as exc:
-        raise ConfigError([issue_at(filename, lines, ("policy", "strategy"),
-                                    f"the strategy failed: {type(exc).__name__}: {exc}")]) \
-            from exc
-    children = sum(models[m].replicas_min for m in kept)  # each replica is a child
-    if children > config.policy.max_loaded:
-        raise ConfigError([issue_at(
-            filename, lines, ("policy", "max_loaded"),
-            f"strategy {config.policy.strategy} keeps {len(kept)} models loaded "
-            f"({', '.join(sorted(kept))}"
-            f"{f'; {children} children with their replicas' if children > len(kept) else ''}"
-            f") but max_loaded is {config.policy.max_loaded}")])
-    return dataclasses.replace(loaded, strategy=strategy, kept=kept)
+    return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
+                        groups=groups, lines=lines, files=files, digest=digest,
+                        pinned=pinned, strategy=strategy, gpu_reader=reader,
+                        models_folder=models_folder)
 
 
 def _absolute(path: str, base_dir: Path) -> Path:

@@ -1,5 +1,5 @@
-"""The `policy:` section checked and resolved: the strategy, with the keys each built-in one
-reads."""
+"""The `policy:` section checked and resolved to data: which strategy, with what settings. No
+plugin is imported here: the daemon builds the strategy (supervisor/runtime.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from corral.supervisor.config.issues import ConfigIssue, Loc, dotted
+from corral.supervisor.config.loaded import PluginChoice
 from corral.supervisor.config.schema import Config
+from corral.supervisor.config.secrets import SecretOptions
 from corral.supervisor.config.specs import GroupSpec, ModelSpec
-from corral.supervisor.policy import BUILTIN, Strategy, StrategyError, load_strategy
 
-__all__ = ["resolve_strategy"]
+__all__ = ["BUILTIN_STRATEGIES", "resolve_strategy"]
+
+# The strategies corral ships (supervisor/policy.py); anything else is a plugin.
+BUILTIN_STRATEGIES = frozenset({"generic", "pinned-group", "multi-group", "fixed-appliance"})
 
 
 def resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec],
                       aliases: dict[str, str], groups: dict[str, GroupSpec],
                       issues: list[ConfigIssue], line: Callable[[Loc], int | None],
-                      filename: str) -> Strategy | None:
-    """Build `policy.strategy`, checking the settings each built-in strategy reads."""
+                      filename: str) -> PluginChoice | None:
+    """Check the settings each built-in strategy reads; the strategy to build, as data."""
     policy = config.policy
     name = policy.strategy
 
@@ -31,7 +35,7 @@ def resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec
         if getattr(policy, key) and name != strategy:
             problem(("policy", key), f"policy.{key} applies to strategy {strategy} "
                                      f"(strategy is {name})")
-    if policy.options and name in BUILTIN:
+    if policy.options and name in BUILTIN_STRATEGIES:
         problem(("policy", "options"), "policy.options is read by plugin strategies only")
     for i, group in enumerate(policy.groups):
         if group not in groups:
@@ -68,11 +72,6 @@ def resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec
                                           f"but max_loaded is {policy.max_loaded}")
     if issues:
         return None
-    options = policy.options.get_secret_value() if name not in BUILTIN else {
-        "groups": list(policy.groups), "shares": dict(policy.shares),
-        "models": fixed}
-    try:
-        return load_strategy(name, options, base_dir)
-    except StrategyError as exc:
-        problem(("policy", "strategy"), str(exc))
-        return None
+    options = policy.options if name not in BUILTIN_STRATEGIES else SecretOptions({
+        "groups": list(policy.groups), "shares": dict(policy.shares), "models": fixed})
+    return PluginChoice(name, options, base_dir, ("policy", "strategy"))

@@ -39,6 +39,7 @@ from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import RpcDeployer
 from corral.supervisor.rpc.lender import Lender
 from corral.supervisor.rpc.watch import WorkerReturnWatch
+from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import ChildRegistry
 
 log = structlog.get_logger("corral.daemon")
@@ -46,8 +47,11 @@ log = structlog.get_logger("corral.daemon")
 
 class Daemon:
     def __init__(self, loaded: LoadedConfig, state_file: Path,
-                 config_loader: Callable[[], LoadedConfig] | None = None):
+                 config_loader: Callable[[], LoadedConfig] | None = None,
+                 runtime: Runtime | None = None):
         self.loaded = loaded
+        # What the config names, built: the strategy, the GPU reader, what is kept loaded.
+        self.runtime = runtime if runtime is not None else build_runtime(loaded)
         # What happens here, for /admin/events, metrics and the service manager.
         self.events = EventBus()
         # Models being downloaded into models_dir (POST /admin/pull): tasks of their own.
@@ -83,9 +87,9 @@ class Daemon:
         self._generation = 1
         self._config_view: tuple[LoadedConfig | None, dict[str, Any]] = (None, {})
         self._strategy_failures: dict[str, str] = {}  # decision → last error (logged once)
-        self._mark_kept(loaded.kept)
+        self._mark_kept(self.runtime.kept)
         # Memory: the latest sample of devices and children, estimates and measurements.
-        self.memory = MemoryTracker(loaded.config.memory, loaded.gpu_reader)
+        self.memory = MemoryTracker(loaded.config.memory, self.runtime.gpu_reader)
         self._memory_wake = asyncio.Event()
         self._workers_back = WorkerReturnWatch(
             lambda: [i for s in self.models.values() for i in s.members],

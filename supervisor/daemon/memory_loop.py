@@ -49,7 +49,7 @@ def _relieve(self: Daemon) -> None:
     if self._closing:
         return
     snap = self._snapshot()
-    strategy = self.loaded.strategy
+    strategy = self.runtime.strategy
     decide = "relieve" if callable(getattr(strategy, "relieve", None)) else None
     reliefs = self._decide(decide, [], snap) if decide else policy.Generic().relieve(snap)
     for relief in reliefs or []:

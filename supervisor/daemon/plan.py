@@ -17,6 +17,7 @@ from corral.supervisor.config import ConfigError, ConfigIssue, LoadedConfig, loa
 from corral.supervisor.daemon.replicas import ReplicaSet
 from corral.supervisor.errors import SupervisorError
 from corral.supervisor.instance import LOADED_STATES, Instance, State
+from corral.supervisor.runtime import Runtime, build_runtime
 
 if TYPE_CHECKING:
     from corral.supervisor.daemon.core import Daemon
@@ -66,6 +67,8 @@ async def _reload(self: Daemon, trigger: str) -> reloading.ReloadAttempt:
         self.events.publish("reloading", trigger=trigger)
         try:
             new = await self._read_config(trigger)
+            # Plugins and devices, in a thread too: the config itself is data.
+            runtime = await asyncio.to_thread(build_runtime, new, self.runtime, self.loaded)
         except ConfigError as exc:
             return self._note_reload(reloading.ReloadAttempt.failed(
                 trigger, started, exc.issues, exc.files))
@@ -86,9 +89,10 @@ async def _reload(self: Daemon, trigger: str) -> reloading.ReloadAttempt:
         if self._closing:
             return self._failed(trigger, started, "corral is shutting down; not applied",
                                 new.files)
-        plan = reloading.diff(self.loaded, new)
+        plan = reloading.diff(self.loaded, new, (self.runtime.kept, runtime.kept))
         changed = not plan.empty or new.digest != self.loaded.digest
-        self._apply_plan(plan, new)  # synchronous: applied whole, or (cancelled) not at all
+        # Synchronous: applied whole, or (cancelled) not at all.
+        self._apply_plan(plan, new, runtime)
         self._spawn_task(self._read_inventory(new))
         if changed:
             self._config_since = time.time()
@@ -126,19 +130,18 @@ def _note_reload(self: Daemon, attempt: reloading.ReloadAttempt) -> reloading.Re
                   note="the running config stays active")
     return attempt
 
-def _apply_plan(self: Daemon, plan: reloading.Plan, new: LoadedConfig) -> None:
+def _apply_plan(self: Daemon, plan: reloading.Plan, new: LoadedConfig,
+                runtime: Runtime) -> None:
     """Apply a reload plan in one synchronous step, so no request sees half of it and no
     cancellation stops it halfway. What takes time (drains, stops, restarts) goes on as
     tasks the instances and the daemon own; every state change is the instance's own."""
     drain = new.config.shutdown_grace
     # Looked up before anything changes: nothing below may fail halfway.
     backends = {c.name: BACKENDS[c.spec.backend] for c in (*plan.replace, *plan.add)}
-    pinned = new.kept
-    old_memory = self.loaded.config.memory
-    self.loaded = new
-    reader_changed = (old_memory.gpu_reader, old_memory.gpu_reader_options) != (
-        new.config.memory.gpu_reader, new.config.memory.gpu_reader_options)
-    self.memory.reconfigure(new.config.memory, new.gpu_reader if reader_changed else None)
+    pinned = runtime.kept
+    reader_changed = runtime.gpu_reader is not self.runtime.gpu_reader
+    self.loaded, self.runtime = new, runtime
+    self.memory.reconfigure(new.config.memory, runtime.gpu_reader if reader_changed else None)
     self.deployer.reconfigure(new.config.peers)
     self._memory_wake.set()  # new limits apply at once, not at the next sample
     for change in plan.update:

@@ -124,7 +124,7 @@ def _decide(self: Daemon, decision: str, fallback: Any, *args: Any) -> Any:
     """Ask the strategy. A plugin that raises must not take requests down with it: the
     error is logged (once per kind of failure) and `fallback` stands in."""
     try:
-        answer = getattr(self.loaded.strategy, decision)(*args)
+        answer = getattr(self.runtime.strategy, decision)(*args)
     except Exception as exc:
         message = f"{type(exc).__name__}: {exc}"
         if self._strategy_failures.get(decision) != message:
