@@ -26,8 +26,12 @@ log = structlog.get_logger("corral.proxy")
 
 # A whole body goes out in slices of the transport's default high-water mark: each slice is a
 # write the client has `client_write_timeout` to make room for, so a slow client that keeps
-# reading a large answer is never cut off, and one that reads nothing is.
+# reading a large answer is not cut off, and one that reads nothing is.
 _SLICE = 64 * 1024
+# Room kept below the high-water mark for what aiohttp's write_eof adds to the bytes it is
+# given: a response head not sent yet (corral's and a child's heads are well under 1 KiB), a
+# chunked answer's last chunk (5 bytes).
+_HEADROOM = 16 * 1024
 
 
 class ClientStalled(ConnectionResetError):
@@ -72,13 +76,10 @@ class ClientWriter:
         # to it directly so that its drain can be bounded on its own.
         self._stream: StreamWriter | None = None
 
-    @property
-    def prepared(self) -> bool:
-        return self.response.prepared
-
     async def prepare(self) -> None:
-        """Send the head (aiohttp buffers it and sends it with the first write: no wait on the
-        client here). A response already prepared keeps its writer."""
+        """Send the head: into the transport, or (a web.Response) kept to go with the body;
+        either way nothing waits for the client here. A response already prepared keeps its
+        writer."""
         stream = await self.response.prepare(self.request)
         # Another AbstractStreamWriter (none in aiohttp's server today) is written through the
         # response, each write under a timer: slower, still bounded.
@@ -98,11 +99,24 @@ class ClientWriter:
             # take some (down to the low-water mark), for `timeout` at most.
             await self._bounded(stream.drain())
 
-    async def finish(self) -> None:
-        """The end of the response (a chunked one's last chunk), under the same deadline. One
-        timer per response: aiohttp's write_eof may wait for the client."""
+    async def finish(self, pending: int = 0) -> None:
+        """The end of the response (a chunked one's last chunk; `pending`: the bytes write_eof
+        still has to write, a web.Response's body), under the same deadline. aiohttp's
+        write_eof waits for the client only when what it writes takes the transport's buffer
+        past the high-water mark: when it cannot, no timer is needed."""
         self._stream = None
-        await self._bounded(self.response.write_eof())
+        if self._fits(pending) and not self.response.compression:
+            await self.response.write_eof()
+        else:
+            await self._bounded(self.response.write_eof())
+
+    def _fits(self, size: int) -> bool:
+        """Whether `size` more bytes (and a head) stay below the transport's high-water mark."""
+        transport = self.request.transport
+        if transport is None:
+            return True  # gone: aiohttp raises at once, without waiting
+        high = transport.get_write_buffer_limits()[1]
+        return transport.get_write_buffer_size() + size + _HEADROOM <= high
 
     async def _bounded(self, waiting: Awaitable[None]) -> None:
         try:
@@ -133,24 +147,29 @@ class ClientWriter:
 
 async def send(request: web.Request, response: web.StreamResponse,
                model: str | None) -> web.StreamResponse:
-    """A whole answer built as a web.Response (a relayed JSON body, an error), written with
-    the deadline, slice by slice, instead of by aiohttp after the handler returns (with no
-    deadline). A response already under way (a stream) is returned as it is."""
+    """A whole answer built as a web.Response (a relayed JSON body, an error), written here
+    with the deadline instead of by aiohttp after the handler returns (with none): a small one
+    as aiohttp would, a large one slice by slice, so that a slow client that keeps reading is
+    not cut off. A response already under way (a stream) is returned as it is."""
     if response.prepared or not isinstance(response, web.Response):
         return response
     body = response.body
     if not isinstance(body, bytes):  # a Payload: aiohttp writes it
+        return response
+    if len(body) <= _SLICE:
+        # Sent as aiohttp sends it (head and body in one write); a timer only when the client
+        # is behind already.
+        out = writer(request, response, model)
+        await out.prepare()
+        await out.finish(pending=len(body))
         return response
     whole = web.StreamResponse(status=response.status, reason=response.reason,
                                headers=response.headers)
     whole.content_length = len(body)
     out = writer(request, whole, model)
     await out.prepare()
-    if len(body) <= _SLICE:
-        await out.write(body)
-    else:
-        view = memoryview(body)
-        for start in range(0, len(body), _SLICE):
-            await out.write(view[start:start + _SLICE])
+    view = memoryview(body)
+    for start in range(0, len(body), _SLICE):
+        await out.write(view[start:start + _SLICE])
     await out.finish()
     return whole

@@ -86,12 +86,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class _App:
     """A tiny aiohttp server whose one handler writes through client_io."""
 
-    def __init__(self, handler: Handler, seconds: float) -> None:
+    def __init__(self, handler: Handler, seconds: float,
+                 more: dict[str, Handler] | None = None) -> None:
         self.stalls: list[str | None] = []
         self.app = web.Application()
         self.app[client_io.DEADLINE] = client_io.WriteDeadline(
             seconds=lambda: seconds, stalled=self.stalls.append)
         self.app.router.add_get("/", handler)
+        for path, other in (more or {}).items():
+            self.app.router.add_get(path, other)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         self.port = 0
 
@@ -105,13 +108,15 @@ class _App:
     async def __aexit__(self, *exc: object) -> None:
         await self.runner.cleanup()
 
-    async def connect(self) -> socket.socket:
+    async def connect(self, path: str = "/", requests: int = 1) -> socket.socket:
+        """A tiny-window client that has sent `requests` GETs of `path` (pipelined)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RCVBUF)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.sock_connect(sock, ("127.0.0.1", self.port))
-        await loop.sock_sendall(sock, b"GET / HTTP/1.1\r\nHost: test\r\n\r\n")
+        await loop.sock_sendall(sock, b"GET %s HTTP/1.1\r\nHost: test\r\n\r\n"
+                                % path.encode() * requests)
         return sock
 
 
@@ -197,85 +202,120 @@ def test_a_slow_reader_that_keeps_reading_gets_everything():
     asyncio.run(scenario())
 
 
-def test_writes_below_the_high_water_mark_schedule_no_timer():
-    """The relay's hot path: a chunk that fits in the transport's buffer goes out without a
-    timer (no asyncio.timeout per chunk); only a write that has to wait gets one."""
-    timers: list[int] = []
+class _Timers:
+    """Counts the timers the loop schedules inside `with timers:` (asyncio.timeout schedules
+    one with loop.call_at). Exact when the block does not suspend, as writes to a client that
+    keeps up do not: nothing else runs meanwhile."""
 
-    async def small(request: web.Request) -> web.StreamResponse:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> _Timers:
         loop = asyncio.get_running_loop()
-        scheduled = [0]
         call_at = loop.call_at
 
         def counting(when: float, callback: Any, *args: Any, **kwargs: Any) -> Any:
-            scheduled[0] += 1
+            self.count += 1
             return call_at(when, callback, *args, **kwargs)
 
+        loop.call_at = counting  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del asyncio.get_running_loop().call_at  # type: ignore[method-assign]
+
+
+def test_writes_that_need_no_wait_schedule_no_timer():
+    """The relay's hot path: a chunk that fits in the transport's buffer goes out without a
+    timer (no asyncio.timeout per chunk), and so does the end of the stream and a small whole
+    body; only a write that has to wait for the client gets one."""
+    counted: dict[str, list[int]] = {"writes": [], "finish": [], "send": []}
+
+    async def stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()
         out = client_io.writer(request, response, "m")
         await out.prepare()
-        loop.call_at = counting  # type: ignore[method-assign]
-        try:
-            for n in range(200):  # 20 KB in all: below the 64 KiB high-water mark
+        for n in range(200):  # 20 KB in all: below the 64 KiB high-water mark
+            with _Timers() as timers:
                 await out.write(b"data: %d\n\n" % n + b"z" * 90)
-                timers.append(scheduled[0])
-        finally:
-            del loop.call_at  # type: ignore[method-assign]
-        await out.finish()
+            counted["writes"].append(timers.count)
+        with _Timers() as timers:
+            await out.finish()
+        counted["finish"].append(timers.count)
+        return response
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        with _Timers() as timers:
+            response = await client_io.send(request, web.json_response({"x": "v" * 30000}), "m")
+        counted["send"].append(timers.count)
         return response
 
     async def scenario() -> None:
-        async with _App(small, seconds=5.0) as server:
-            sock = await server.connect()
-            try:
-                received = await _read_to_end(sock)
-            finally:
-                sock.close()
-            assert received.endswith(b"\r\n0\r\n\r\n") and server.stalls == []
+        async with _App(stream, 5.0, {"/whole": whole}) as server, httpx.AsyncClient() as http:
+            streamed = await http.get(f"http://127.0.0.1:{server.port}/")
+            assert streamed.content.endswith(b"z" * 90) and len(streamed.content) > 20000
+            answered = await http.get(f"http://127.0.0.1:{server.port}/whole")
+            assert answered.json() == {"x": "v" * 30000}
+            assert server.stalls == []
 
     asyncio.run(scenario())
-    assert len(timers) == 200 and timers[-1] == 0, timers[-5:]
+    assert counted == {"writes": [0] * 200, "finish": [0], "send": [0]}, counted
 
 
 def test_a_whole_body_is_sent_with_the_deadline_too():
-    """client_io.send: a built web.Response (a relayed JSON answer) goes out slice by slice
-    under the same deadline; a client that never reads it is cut off."""
-    body = b'{"x": "' + b"w" * (8 * 1024 * 1024) + b'"}'
-    sent: dict[str, Any] = {}
+    """client_io.send: a built web.Response (a relayed JSON answer) goes out under the same
+    deadline, a large one slice by slice; a client that never reads is cut off, whether one
+    large answer or many small ones (pipelined requests) fill its buffers."""
+    large = b'{"x": "' + b"w" * (8 * 1024 * 1024) + b'"}'
+    small = b'{"x": "' + b"s" * 40000 + b'"}'
+    sent: list[str] = []
     cut_off = asyncio.Event()
 
-    async def whole(request: web.Request) -> web.StreamResponse:
-        answer = web.Response(body=body, status=201, headers={"Content-Type": "application/json",
-                                                              "X-Extra": "kept"})
-        try:
-            sent["response"] = await client_io.send(request, answer, "m")
-        except client_io.ClientStalled:
-            cut_off.set()
-            raise
-        return sent["response"]
+    def answering(body: bytes) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            answer = web.Response(body=body, status=201, headers={
+                "Content-Type": "application/json", "X-Extra": "kept"})
+            try:
+                response = await client_io.send(request, answer, "m")
+            except client_io.ClientStalled:
+                cut_off.set()
+                raise
+            sent.append(request.path)
+            return response
+        return handler
+
+    routes = {"/small": answering(small)}
 
     async def reading() -> None:
-        async with _App(whole, seconds=2.0) as server, httpx.AsyncClient() as http:
-            resp = await http.get(f"http://127.0.0.1:{server.port}/")
-            assert resp.status_code == 201 and resp.content == body
-            assert resp.headers["x-extra"] == "kept"
-            assert resp.headers["content-type"] == "application/json"
-            assert resp.headers["content-length"] == str(len(body))
+        async with _App(answering(large), 2.0, routes) as server, \
+                httpx.AsyncClient() as http:
+            for path, body in (("/", large), ("/small", small)):
+                resp = await http.get(f"http://127.0.0.1:{server.port}{path}")
+                assert resp.status_code == 201 and resp.content == body
+                assert resp.headers["x-extra"] == "kept"
+                assert resp.headers["content-type"] == "application/json"
+                assert resp.headers["content-length"] == str(len(body))
             assert server.stalls == []
 
-    async def stuck() -> None:
-        async with _App(whole, seconds=0.3) as server:
-            sock = await server.connect()
+    async def stuck(path: str, requests: int) -> None:
+        nonlocal cut_off
+        cut_off = asyncio.Event()  # one per loop
+        async with _App(answering(large), 0.3, routes) as server:
+            sock = await server.connect(path, requests)
             try:
-                async with asyncio.timeout(20):
+                async with asyncio.timeout(20):  # only a bound on the test
                     await cut_off.wait()
-                assert server.stalls == ["m"] and "response" not in sent
+                assert server.stalls == ["m"]
             finally:
                 sock.close()
 
     asyncio.run(reading())
     sent.clear()
-    asyncio.run(stuck())
+    asyncio.run(stuck("/", 1))
+    assert sent == []
+    # 400 answers of 40 KB, 16 MB: more than the socket buffers hold.
+    asyncio.run(stuck("/small", 400))
+    assert 0 < len(sent) < 400
 
 
 @pytest.mark.parametrize("seconds", [0, -1])
