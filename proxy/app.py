@@ -14,6 +14,7 @@ from aiohttp import web
 from corral.proxy import (
     admin,
     capabilities,
+    client_io,
     events,
     filters,
     models_api,
@@ -71,6 +72,10 @@ def create_app(daemon: Supervisor) -> web.Application:
     )
     app[DAEMON] = daemon
     app[ACCOUNTING] = accounting
+    # Read per response: a reload's new client_write_timeout applies to the next ones.
+    app[client_io.DEADLINE] = client_io.WriteDeadline(
+        seconds=lambda: daemon.loaded.config.client_write_timeout,
+        stalled=accounting.metrics.client_stalled)
     app.on_response_prepare.append(_send_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", accounting.metrics.handler)
@@ -301,7 +306,8 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         record.leased(lease)
         response = await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
                                raw, canonical, lease, record)
-    return _documented(response, canonical)
+    # A whole answer is written once the lease is back: a slow client holds no slot.
+    return await client_io.send(request, _documented(response, canonical), canonical)
 
 
 async def _relay_after_progress(request: web.Request, model: str,
@@ -314,9 +320,11 @@ async def _relay_after_progress(request: web.Request, model: str,
     try:
         async with leased(daemon, model, stream.acquire(daemon)) as lease:
             record.leased(lease)
-            return await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
-                               raw, model, lease, record,
-                               started=stream.response if stream.opened else None)
+            response = await relay(request, request.app[UPSTREAM],
+                                   upstream_url(lease, request), raw, model, lease, record,
+                                   started=stream.out if stream.opened else None)
+    except ConnectionResetError:
+        raise  # the client is gone (or was cut off): nobody to tell, in a stream or not
     except (SupervisorError, UpstreamFailed) as exc:
         if not stream.opened:
             raise  # refused before the stream began: the plain error response
@@ -332,6 +340,7 @@ async def _relay_after_progress(request: web.Request, model: str,
         log.exception("proxy.unhandled", method=request.method, path=request.path)
         record.error_status = 500
         return await stream.fail("internal error in corral", "internal_error")
+    return await client_io.send(request, response, model)
 
 
 def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:

@@ -4,20 +4,16 @@ latest requests with their timings. Both read the daemon's bus and never count a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
-import structlog
 from aiohttp import web
 
+from corral.proxy import client_io
 from corral.proxy.accounting import Accounting
 from corral.proxy.sse import KEEPALIVE, named, sse_headers
 from corral.supervisor.port import Supervisor
 
 _KEEPALIVE_EVERY = 15.0
-_WRITE_TIMEOUT = 30.0
-
-log = structlog.get_logger("corral.proxy")
 
 
 def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
@@ -30,14 +26,12 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
         after = _int(request.headers.get("Last-Event-ID") or request.query.get("since"))
         sub = bus.subscribe(after=after, kinds=wanted)
         response = web.StreamResponse(headers=sse_headers())
-
-        async def send(data: bytes) -> None:
-            # A reader that stops reading (its socket buffer full) must not pin this handler.
-            async with asyncio.timeout(_WRITE_TIMEOUT):
-                await response.write(data)
-
+        # A reader that stops reading (its socket buffer full) must not pin this handler nor
+        # its subscription: client_write_timeout, then it is cut off.
+        out = client_io.writer(request, response, None)
+        send = out.write
         try:
-            await response.prepare(request)
+            await out.prepare()
             await send(b"retry: 2000\n\n")
             while True:
                 try:
@@ -53,14 +47,12 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
                 # Last-Event-ID and the history replays what it can.
                 # No id: the reader's last id stays the last event it got.
                 await send(b'event: lagged\ndata: {"kind": "lagged"}\n\n')
-        except TimeoutError:
-            log.info("events.reader_stuck", seconds=_WRITE_TIMEOUT)
-            return response  # aiohttp drops the connection: nothing more can be written
+        except client_io.ClientStalled:
+            return response  # logged and counted by the writer; the connection is cut
         finally:
             bus.unsubscribe(sub)
-        with contextlib.suppress(ConnectionResetError, TimeoutError):
-            async with asyncio.timeout(_WRITE_TIMEOUT):
-                await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):
+            await out.finish()
         return response
 
     async def recent(request: web.Request) -> web.Response:

@@ -10,6 +10,8 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from corral.proxy import client_io
+from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from corral.proxy.sse import DONE, error_event, sse_headers
 from corral.proxy.timing import RequestRecord
@@ -116,9 +118,12 @@ def _broken(model: str, exc: BaseException, what: str) -> UpstreamFailed:
 async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
                 body: bytes, model: str, lease: Lease | None = None,
                 record: RequestRecord | None = None,
-                started: web.StreamResponse | None = None) -> web.StreamResponse:
+                started: ClientWriter | None = None) -> web.StreamResponse:
     """POST `body` to `url` and relay the answer. Raises UpstreamFailed before any byte of the
     answer was sent; after that, a broken child ends the stream with an SSE error event.
+    A stream is written here, through proxy/client_io (a client that stops reading is cut off,
+    ClientStalled); a whole answer comes back unsent, for the caller to send with
+    client_io.send once the lease is back.
     `record` takes the timings and token counts; `started`: an event stream already sent to
     the client (loading progress), which the child's stream continues."""
     upstream = await open_upstream(session, url, model, lease, data=body, headers={
@@ -154,7 +159,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
     return response
 
 
-async def _end_with_answer(started: web.StreamResponse, status: int, payload: bytes,
+async def _end_with_answer(started: ClientWriter, status: int, payload: bytes,
                            model: str) -> web.StreamResponse:
     """The child answered a stream already under way with a whole body (an error): said in
     the stream, as an error event."""
@@ -162,27 +167,29 @@ async def _end_with_answer(started: web.StreamResponse, status: int, payload: by
     await started.write(error_event(f"{model} answered HTTP {status}: {message}",
                                     code="upstream_error"))
     await started.write(DONE)
-    await started.write_eof()
-    return started
+    await started.finish()
+    return started.response
 
 
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                         model: str, record: RequestRecord | None,
-                        started: web.StreamResponse | None) -> web.StreamResponse:
+                        started: ClientWriter | None) -> web.StreamResponse:
     if started is not None:
-        response = started
+        out = started
     else:
         headers = _response_headers(upstream)
         headers.update(sse_headers())
         if record is not None:
             headers["Server-Timing"] = record.server_timing()
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
+        out = client_io.writer(request, web.StreamResponse(status=upstream.status,
+                                                           headers=headers), model)
+        await out.prepare()
     tail = record.tail if record is not None else None
     chunks = upstream.content.iter_any().__aiter__()
     while True:
         # Only the read from the child is the child's fault; a failed write to the client
-        # (it hung up) propagates as it is and cancels nothing but this relay.
+        # (it hung up, or took nothing for client_write_timeout: ClientStalled) propagates as
+        # it is and cancels nothing but this relay.
         try:
             chunk = await chunks.__anext__()
         except StopAsyncIteration:
@@ -192,17 +199,17 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
             log.warning("proxy.stream_broken", model=model, error=str(failure))
             upstream.close()  # the child must see the hang-up (and drop the generation)
-            await response.write(error_event(str(failure), code=code))
+            await out.write(error_event(str(failure), code=code))
             break
         if tail is not None:
             if not tail and record is not None:
                 record.first_bytes()
             tail.append(chunk)  # the last few only: the usage is in the last event
-        await response.write(chunk)
-    await response.write_eof()
+        await out.write(chunk)
+    await out.finish()
     if record is not None:
         record.read_stream_tail()
-    return response
+    return out.response
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],

@@ -16,7 +16,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from corral.proxy import sse
+from corral.proxy import client_io, sse
+from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -168,34 +169,36 @@ async def chat_with_group(request: web.Request, runner: GroupRunner, group: Grou
         return web.json_response(completion.whole(outcome))
 
     response = web.StreamResponse(headers=sse.sse_headers())
+    # Every write has the client's deadline: one that stops reading is cut off (ClientStalled)
+    # and the synthesizer's lease goes back with the relay.
+    out = client_io.writer(request, response, group.name)
     try:
         if group.type == "consensus":
             async def relay_synthesis(outcome: GroupOutcome) -> None:
-                await _stream_synthesis(request, response, runner, completion, body, outcome)
+                await _stream_synthesis(out, runner, completion, body, outcome)
 
             outcome = await runner.run(group, body, final_step=relay_synthesis)
         else:
             outcome = await runner.run(group, body)
-            await response.prepare(request)
-            await response.write(completion.chunk({"role": "assistant",
-                                                   "content": outcome.answer()}))
-            await response.write(completion.chunk({}, finish="stop"))
+            await out.prepare()
+            await out.write(completion.chunk({"role": "assistant",
+                                              "content": outcome.answer()}))
+            await out.write(completion.chunk({}, finish="stop"))
     except GroupFailed as exc:
         if not response.prepared:
             return failed_response(exc, runner.daemon)
         code = "shutting_down" if runner.daemon.closing else "group_failed"
-        await response.write(sse.error_event(str(exc), code=code))
-        await response.write_eof()
+        await out.write(sse.error_event(str(exc), code=code))
+        await out.finish()
         return response
-    await response.write(completion.chunk(None, usage=outcome.usage(),
-                                          corral_group=outcome.as_dict()))
-    await response.write(sse.DONE)
-    await response.write_eof()
+    await out.write(completion.chunk(None, usage=outcome.usage(),
+                                     corral_group=outcome.as_dict()))
+    await out.write(sse.DONE)
+    await out.finish()
     return response
 
 
-async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
-                            runner: GroupRunner, completion: _Completion,
+async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: _Completion,
                             body: dict[str, Any], outcome: GroupOutcome) -> None:
     """Relay the synthesizer's own token stream, renamed to the group, as it is written."""
     group = outcome.group
@@ -213,11 +216,11 @@ async def _stream_synthesis(request: web.Request, response: web.StreamResponse,
             first_byte.reschedule(None)
             try:
                 await _expect_ok(upstream, model)
-                await response.prepare(request)
+                await out.prepare()
                 async with contextlib.aclosing(_events(upstream, model)) as events:
                     async for event in events:
                         _rename(event, group.name, completion.id, text, outcome)
-                        await response.write(sse.frame(event))
+                        await out.write(sse.frame(event))
             except BaseException:
                 upstream.close()  # the child must see the hang-up (and drop the generation)
                 raise

@@ -23,6 +23,8 @@ from corral.supervisor.events import Event
 from corral.supervisor.port import Supervisor
 
 UNKNOWN_MODEL = "_unknown"
+# A stream that answers for no model (GET /admin/events).
+NO_MODEL = "_none"
 # Waits and latencies of a local model: from a millisecond (a hot slot) to minutes (a large
 # cold start, a long generation).
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
@@ -84,6 +86,9 @@ class Metrics:
         self.member_outcomes = Counter("corral_group_member_outcomes", "Group members' "
                                        "outcomes (ok, error, timeout, retried, replaced, "
                                        "cancelled)", ["group", "model", "outcome"], registry=r)
+        self.client_write_timeouts = Counter(
+            "corral_client_write_timeouts", "Clients cut off after taking no bytes for "
+            "client_write_timeout seconds, by the model answering them", model, registry=r)
         r.register(_LiveState(daemon))
         daemon.events.listen(self.on_event)
         # The labelled series each request touches, looked up once (labels() costs a few
@@ -116,6 +121,11 @@ class Metrics:
                                                                            record.endpoint)
             duration.observe(record.duration_s)
         per_model.observe(record)
+
+    def client_stalled(self, model: str | None) -> None:
+        """A client cut off by proxy/client_io (rare: no series cached)."""
+        label = NO_MODEL if model is None else self.model_label(model)
+        self.client_write_timeouts.labels(label).inc()
 
     def on_event(self, event: Event) -> None:
         data, kind = event.data, event.kind

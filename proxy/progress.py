@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.proxy import request_id
+from corral.proxy import client_io, request_id
 from corral.proxy.sse import DONE, error_event, frame, sse_headers
 from corral.supervisor.errors import UnknownModel
 from corral.supervisor.events import Event, Subscription
@@ -39,10 +39,13 @@ class ProgressStream:
         self.request = request
         self.model = model
         self.response = web.StreamResponse(status=200, headers=sse_headers())
+        # Every write has the client's deadline: a client that stops reading while the model
+        # loads is cut off (ClientStalled), and its wait with it.
+        self.out = client_io.writer(request, self.response, model)
         self._id = f"chatcmpl-corral-load-{request_id.current() or int(time.time())}"
 
     async def open(self) -> web.StreamResponse:
-        await self.response.prepare(self.request)
+        await self.out.prepare()
         return self.response
 
     def _chunk(self, text: str) -> bytes:
@@ -52,7 +55,7 @@ class ProgressStream:
                                    "delta": {"role": "assistant", "reasoning_content": text}}]})
 
     async def say(self, text: str) -> None:
-        await self.response.write(self._chunk(text))
+        await self.out.write(self._chunk(text))
 
     @property
     def opened(self) -> bool:
@@ -131,9 +134,9 @@ class ProgressStream:
 
     async def fail(self, message: str, code: str) -> web.StreamResponse:
         """The stream is open, so the error goes in it (the status line is gone)."""
-        await self.response.write(error_event(message, code=code))
-        await self.response.write(DONE)
-        await self.response.write_eof()
+        await self.out.write(error_event(message, code=code))
+        await self.out.write(DONE)
+        await self.out.finish()
         return self.response
 
 

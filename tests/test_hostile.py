@@ -194,11 +194,12 @@ def test_a_request_stopped_by_shutdown_gets_503_with_retry_after(start_corral, t
 
 
 class _Gone:
-    """A client connection that is gone: its first write raises what aiohttp raises then."""
+    """A client connection that is gone (as the relay's ClientWriter sees it): its first write
+    raises what aiohttp raises then."""
 
     prepared = True
 
-    async def prepare(self, _request: Any) -> None:
+    async def prepare(self) -> None:
         return None
 
     async def write(self, _data: bytes) -> None:
@@ -271,7 +272,7 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
     outcome = GroupOutcome(group, [], 0.0)
 
     async def run() -> None:
-        await group_routes._stream_synthesis(None, _Gone(), runner,  # type: ignore[arg-type]
+        await group_routes._stream_synthesis(_Gone(), runner,  # type: ignore[arg-type]
                                              group_routes._Completion(group), {}, outcome)
 
     with pytest.raises(ConnectionResetError):

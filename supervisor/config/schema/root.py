@@ -30,6 +30,10 @@ class Config(BaseModel):
         False, description="allow /admin without keys on a non-loopback listen address")
     max_body_mb: float = Field(32, gt=0)
     shutdown_grace: float = Field(30, ge=0)
+    client_write_timeout: float = Field(
+        30, gt=0, description="seconds a write to a client may wait for the client to take "
+        "bytes; past that the client is cut off, its upstream request dropped and the model's "
+        "slot freed")
     state_dir: str | None = None
     binary: str | None = None
     defaults: Defaults = Defaults()
