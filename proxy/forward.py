@@ -134,7 +134,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
         record.head()
     try:
         if upstream.content_type == "text/event-stream":
-            response = await _relay_stream(request, upstream, model, record, started)
+            response = await _relay_stream(request, upstream, model, record, started, lease)
         else:
             try:
                 payload = await upstream.read()
@@ -173,7 +173,8 @@ async def _end_with_answer(started: ClientWriter, status: int, payload: bytes,
 
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                         model: str, record: RequestRecord | None,
-                        started: ClientWriter | None) -> web.StreamResponse:
+                        started: ClientWriter | None,
+                        lease: Lease | None = None) -> web.StreamResponse:
     if started is not None:
         out = started
     else:
@@ -199,6 +200,10 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
             log.warning("proxy.stream_broken", model=model, error=str(failure))
             upstream.close()  # the child must see the hang-up (and drop the generation)
+            if lease is not None:
+                # A dead child is marked failed now, a silent one probed now (and killed when
+                # it does not answer): the next request gets a fresh child, not this wait.
+                await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
             await out.write(error_event(str(failure), code=code))
             break
         if tail is not None:

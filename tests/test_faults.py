@@ -486,8 +486,15 @@ def test_child_frozen_mid_stream_ends_it_with_upstream_timeout(frozen):
         # After idle_timeout of silence (give or take what was buffered), not a hang.
         assert 1.5 <= elapsed < 10, elapsed
         wait_until(lambda: frozen.model("silent")["in_flight"] == 0, timeout=5)
+        # The silence made corral probe the child at once: it did not answer, so it was
+        # killed, and the next request gets a fresh child (not the watchdog's 30 s later).
+        wait_until(lambda: gone(pid), timeout=10)
+        assert frozen.model("silent")["state"] == "failed"
     finally:
         resume(frozen, pid)
+    resp = frozen.chat("silent", max_tokens=1)
+    assert resp.status_code == 200, resp.text
+    assert frozen.model("silent")["pid"] != pid
 
 
 # -- g. a start that fails, and its back-off -----------------------------------------------------
