@@ -419,8 +419,15 @@ class CorralFactory:
                 *(f"  - {line}" for line in found)]
 
 
-def _marked(nodes: Sequence[pytest.Item | pytest.Collector]) -> LogExpectations:
-    """`@pytest.mark.expect_log("event", ..., allow="regex", exit_code=N)` on the nodes."""
+def declared(request: pytest.FixtureRequest) -> LogExpectations:
+    """What the tests a fixture serves declare with `@pytest.mark.expect_log("event", ...,
+    allow="regex", exit_code=N)`: the test's own marks for a function-scoped fixture; for a
+    module-scoped one (its daemon's log is checked at the module's end), every test's of the
+    module and the module's (`pytestmark`)."""
+    nodes: list[pytest.Item | pytest.Collector] = [request.node]
+    if request.scope == "module":
+        nodes += [item for item in request.session.items
+                  if getattr(item, "module", None) is request.module]
     out = LogExpectations()
     for node in nodes:
         for mark in node.iter_markers("expect_log"):
@@ -438,7 +445,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def start_corral(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CorralFactory]:
     """start_corral(config, api_key=..., wait=True) → Corral, stopped after the test."""
-    factory = CorralFactory(tmp_path, _marked([request.node]))
+    factory = CorralFactory(tmp_path, declared(request))
     yield factory
     factory.close()
 
@@ -448,8 +455,6 @@ def start_corral_module(tmp_path_factory: pytest.TempPathFactory,
                         request: pytest.FixtureRequest) -> Iterator[CorralFactory]:
     """Like start_corral, for a daemon several tests of one module share. Its log is checked
     at the module's end, against what any test of the module declares."""
-    items = [item for item in request.session.items
-             if getattr(item, "module", None) is request.module]
-    factory = CorralFactory(tmp_path_factory.mktemp("corral"), _marked([request.node, *items]))
+    factory = CorralFactory(tmp_path_factory.mktemp("corral"), declared(request))
     yield factory
     factory.close()
