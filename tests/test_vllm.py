@@ -250,6 +250,7 @@ def test_ttl_stops_the_whole_process_group_and_frees_the_port(served: Corral) ->
     assert stopped, "no ttl event for tinyv"
 
 
+@pytest.mark.expect_log(exit_code=-9)
 def test_a_killed_daemon_takes_vllms_helper_processes_with_it(served: Corral) -> None:
     """The kernel's parent-death signal reaches only the API server; its engine core and
     worker are killed by corral's group keeper the moment the daemon dies."""
