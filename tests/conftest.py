@@ -75,10 +75,10 @@ class LogExpectations:
     """What a test provokes on purpose in a daemon's log; anything else of the kind fails it.
 
     `events`: names of events that may appear although they report a failure (a `*_failed`
-    event, one at level error, one carrying an exception). `allow`: regular expressions; an
-    offending line (or block of lines written past the logger, such as a traceback) that
-    one of them finds is let through: the one traceback a test provokes by design, not all.
-    `exit_codes`: how the daemon may end (SIGTERM must give 0)."""
+    event, one at level error), without a traceback. `allow`: regular expressions; an
+    offending line (or block of lines written past the logger) that one of them finds is
+    let through: the way to allow a traceback, the one a test provokes by design, not all
+    of an event's. `exit_codes`: how the daemon may end (SIGTERM must give 0)."""
 
     events: set[str] = field(default_factory=set)
     allow: list[re.Pattern[str]] = field(default_factory=list)
@@ -104,7 +104,8 @@ def log_problems(text: str, expected: LogExpectations) -> list[str]:
     """The lines of a daemon's JSON log that say it misbehaved, less what `expected` allows.
 
     A JSON record is a problem when it carries an exception (a traceback: `exception`,
-    `exc_info`), is at level error or critical, or is a `*_failed` event. Anything else is
+    `exc_info`), is at level error or critical, or is a `*_failed` event (`.failed` too: the
+    pull's). Anything else is
     text written past structlog: Python's last-resort logging ("Task exception was never
     retrieved", asyncio's "Unclosed client session", aiohttp's "Error handling request"),
     warnings, a thread's or an interpreter's traceback. Such lines are taken as blocks (a
@@ -131,9 +132,12 @@ def log_problems(text: str, expected: LogExpectations) -> list[str]:
             continue
         end_block()
         name = str(record["event"])
-        bad = ("exception" in record or "exc_info" in record
-               or record.get("level") in ("error", "critical") or FAILED_EVENT.search(name))
-        if bad and name not in expected.events and not expected.allowed(line):
+        if expected.allowed(line):
+            continue
+        if "exception" in record or "exc_info" in record:
+            problems.append(line)  # a traceback: only an `allow` pattern lets one through
+        elif name not in expected.events and (
+                record.get("level") in ("error", "critical") or FAILED_EVENT.search(name)):
             problems.append(line)
     end_block()
     return problems
