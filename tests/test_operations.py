@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -463,7 +462,7 @@ def test_a_client_that_hangs_up_during_the_progress_leaves_nothing_behind(corral
 @pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_a_failed_load_after_the_progress_began_is_an_error_event(corral, tmp_path):
     unload(corral, "slow-progress")
-    time.sleep(0.1)
+    wait_until(lambda: corral.model("slow-progress")["state"] == "stopped", timeout=10)
     # Not a model file: the child exits during its load, after the stream began.
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF not really")
