@@ -340,6 +340,8 @@ def test_client_hangup_while_queued_leaves_nothing_behind(shared):
 
 # -- d. kill -9 under several streams (the single-stream case is in test_lifecycle) ---------------
 
+# A health check may find the killed child gone before its exit is seen.
+@pytest.mark.expect_log("instance.health_failed")
 def test_child_killed_under_several_streams_ends_each_with_an_error_event(shared):
     assert shared.chat("crash", max_tokens=1).status_code == 200
     pid = shared.model("crash")["pid"]

@@ -186,6 +186,8 @@ def test_check_refuses_keys_of_the_other_backend_and_unknown_dtypes(
     assert good.returncode == 0, good.stdout + good.stderr
 
 
+# A health check may find the killed child gone before its exit is seen.
+@pytest.mark.expect_log("instance.health_failed")
 def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
         served: Corral) -> None:
     client = served.client(timeout=COLD_START)
