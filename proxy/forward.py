@@ -187,33 +187,39 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
         await out.prepare()
     tail = record.tail if record is not None else None
     chunks = upstream.content.iter_any().__aiter__()
-    while True:
-        # Only the read from the child is the child's fault; a failed write to the client
-        # (it hung up, or took nothing for client_write_timeout: ClientStalled) propagates as
-        # it is and cancels nothing but this relay.
-        try:
-            chunk = await chunks.__anext__()
-        except StopAsyncIteration:
-            break
-        except UPSTREAM_BROKE as exc:
-            failure = _broken(model, exc, "mid-stream")
-            code = "upstream_timeout" if isinstance(failure, UpstreamTimeout) else "upstream_failed"
-            log.warning("proxy.stream_broken", model=model, error=str(failure))
-            upstream.close()  # the child must see the hang-up (and drop the generation)
-            if lease is not None:
-                # A dead child is marked failed now, a silent one probed now (and killed when
-                # it does not answer): the next request gets a fresh child, not this wait.
-                await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
-            await out.write(error_event(str(failure), code=code))
-            break
-        if tail is not None:
-            if not tail and record is not None:
-                record.first_bytes()
-            tail.append(chunk)  # the last few only: the usage is in the last event
-        await out.write(chunk)
-    await out.finish()
-    if record is not None:
-        record.read_stream_tail()
+    try:
+        while True:
+            # Only the read from the child is the child's fault; a failed write to the client
+            # (it hung up, or took nothing for client_write_timeout: ClientStalled) propagates
+            # as it is and cancels nothing but this relay.
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except UPSTREAM_BROKE as exc:
+                failure = _broken(model, exc, "mid-stream")
+                code = ("upstream_timeout" if isinstance(failure, UpstreamTimeout)
+                        else "upstream_failed")
+                log.warning("proxy.stream_broken", model=model, error=str(failure))
+                upstream.close()  # the child must see the hang-up (and drop the generation)
+                if lease is not None:
+                    # A dead child is marked failed now, a silent one probed now (and killed
+                    # when it does not answer): the next request gets a fresh child.
+                    await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
+                await out.write(error_event(str(failure), code=code))
+                break
+            if tail is not None:
+                if not tail and record is not None:
+                    record.first_bytes()
+                tail.append(chunk)  # the last few only: the usage is in the last event
+            await out.write(chunk)
+        await out.finish()
+    finally:
+        # Also when the client hangs up (the handler is cancelled): the OpenAI SDK closes
+        # the connection as soon as it read `[DONE]`, which may be before the child's
+        # stream ended here; the tokens it got were generated and count all the same.
+        if record is not None:
+            record.read_stream_tail()
     return out.response
 
 

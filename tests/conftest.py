@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -59,6 +60,89 @@ def llama_server_binary() -> str:
         return found
 
 
+# -- the daemon's log, checked at every daemon's end -------------------------------------------
+
+# An event named like this reports something that did not work (`daemon.reload_failed`,
+# `pull.failed`): a test that provokes one says so, or the run fails.
+FAILED_EVENT = re.compile(r"[._]failed$")
+# The daemon under test reports unclosed sockets, files and transports (ResourceWarning,
+# off by default): each is a leak, and lands in its log as a line past structlog.
+DAEMON_ENV = {"PYTHONWARNINGS": "default::ResourceWarning"}
+
+
+@dataclass
+class LogExpectations:
+    """What a test provokes on purpose in a daemon's log; anything else of the kind fails it.
+
+    `events`: names of events that may appear although they report a failure (a `*_failed`
+    event, one at level error), without a traceback. `allow`: regular expressions; an
+    offending line (or block of lines written past the logger) that one of them finds is
+    let through: the way to allow a traceback, the one a test provokes by design, not all
+    of an event's. `exit_codes`: how the daemon may end (SIGTERM must give 0)."""
+
+    events: set[str] = field(default_factory=set)
+    allow: list[re.Pattern[str]] = field(default_factory=list)
+    exit_codes: set[int] = field(default_factory=lambda: {0})
+
+    def add(self, *events: str, allow: str | Sequence[str] = (),
+            exit_code: int | None = None) -> None:
+        self.events.update(events)
+        self.allow.extend(re.compile(a) for a in ([allow] if isinstance(allow, str) else allow))
+        if exit_code is not None:
+            self.exit_codes.add(exit_code)
+
+    def merge(self, other: LogExpectations) -> None:
+        self.events |= other.events
+        self.allow.extend(other.allow)
+        self.exit_codes |= other.exit_codes
+
+    def allowed(self, text: str) -> bool:
+        return any(pattern.search(text) for pattern in self.allow)
+
+
+def log_problems(text: str, expected: LogExpectations) -> list[str]:
+    """The lines of a daemon's JSON log that say it misbehaved, less what `expected` allows.
+
+    A JSON record is a problem when it carries an exception (a traceback: `exception`,
+    `exc_info`), is at level error or critical, or is a `*_failed` event (`.failed` too: the
+    pull's). Anything else is
+    text written past structlog: Python's last-resort logging ("Task exception was never
+    retrieved", asyncio's "Unclosed client session", aiohttp's "Error handling request"),
+    warnings, a thread's or an interpreter's traceback. Such lines are taken as blocks (a
+    traceback is one) and every block is a problem: the daemon logs nothing that way."""
+    problems: list[str] = []
+    block: list[str] = []
+
+    def end_block() -> None:
+        if block:
+            joined = "\n".join(block)
+            if not expected.allowed(joined):
+                problems.append(joined if len(block) <= 40 else
+                                "\n".join([*block[:20], "...", *block[-19:]]))
+            block.clear()
+
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "event" not in record:
+            if line.strip():
+                block.append(line)
+            continue
+        end_block()
+        name = str(record["event"])
+        if expected.allowed(line):
+            continue
+        if "exception" in record or "exc_info" in record:
+            problems.append(line)  # a traceback: only an `allow` pattern lets one through
+        elif name not in expected.events and (
+                record.get("level") in ("error", "critical") or FAILED_EVENT.search(name)):
+            problems.append(line)
+    end_block()
+    return problems
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -97,15 +181,20 @@ class Corral:
     # (pid, cmdline) of every child ever seen, polled or logged: the orphan check's list. A
     # pid may appear twice, recycled for a later child with another port.
     seen_children: set[tuple[int, tuple[str, ...]]] = field(init=False, default_factory=set)
-    expected: set[str] = field(init=False, default_factory=set)
+    # What this test provokes on purpose in the log; checked when the daemon is stopped.
+    expected: LogExpectations = field(init=False, default_factory=LogExpectations)
 
     def __post_init__(self) -> None:
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {self.api_key}"})
 
-    def expect(self, *events: str) -> None:
-        """Failure events (`*_failed` and the like) this test provokes on purpose."""
-        self.expected.update(events)
+    def expect(self, *events: str, allow: str | Sequence[str] = (),
+               exit_code: int | None = None) -> Corral:
+        """Declare what the test provokes on purpose: `*_failed` or error events by name,
+        `allow` patterns for a specific line or traceback, another `exit_code` (a test that
+        SIGKILLs the daemon: -9). Anything else of the kind fails the test at teardown."""
+        self.expected.add(*events, allow=allow, exit_code=exit_code)
+        return self
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0,
@@ -236,11 +325,15 @@ def _continue(pid: int) -> None:
 class CorralFactory:
     """Starts corral daemons in `folder`; `close()` stops them and fails on any child of
     theirs that outlived them (found by pid and command line, so a child reparented to init
-    counts, and a recycled pid does not)."""
+    counts, and a recycled pid does not), and on what their logs say went wrong that the test
+    did not declare (`log_problems`; `Corral.expect`, `@pytest.mark.expect_log`), and on an
+    exit other than 0 after SIGTERM."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, expected: LogExpectations | None = None):
         self.folder = folder
         self.started: list[Corral] = []
+        # Declared for every daemon of this factory (the test's or module's markers).
+        self.expected = expected or LogExpectations()
 
     def __call__(self, config: dict[str, Any], api_key: str = "unused",
                  wait: bool = True) -> Corral:
@@ -252,15 +345,21 @@ class CorralFactory:
               env: dict[str, str] | None = None) -> Corral:
         """`corral serve -c config_path` (a file as it is: its relative paths stay its own);
         `env` adds to the daemon's environment."""
+        return self.spawn(["-c", str(config_path)], config_path, api_key, wait, env)
+
+    def spawn(self, args: Sequence[str], config_path: Path, api_key: str = "unused",
+              wait: bool = True, env: dict[str, str] | None = None) -> Corral:
+        """`corral serve` with `args` (a config or a models folder), JSON logs to a file of
+        the factory's folder; checked and stopped by close()."""
         port = free_port()
         log_path = self.folder / f"corral-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(config_path),
+                [sys.executable, "-m", "corral.supervisor.cli", "serve", *args,
                  "--listen", f"127.0.0.1:{port}", "--state-dir", str(self.folder / "state"),
                  "--log-format", "json", "--log-level", "debug"],
                 stdout=subprocess.DEVNULL, stderr=log_file, cwd=self.folder,
-                env={**os.environ, **env} if env else None)
+                env={**os.environ, **DAEMON_ENV, **(env or {})})
         corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, config_path, api_key)
         self.started.append(corral)
         if wait:
@@ -278,11 +377,13 @@ class CorralFactory:
         for corral in self.started:
             for pid in corral.still_running():
                 _continue(pid)
+            killed = False
             if corral.proc.poll() is None:
                 corral.proc.send_signal(signal.SIGTERM)
                 try:
                     corral.proc.wait(30)
                 except subprocess.TimeoutExpired:
+                    killed = True
                     corral.proc.kill()
                     corral.proc.wait()
             corral.http.close()
@@ -298,22 +399,68 @@ class CorralFactory:
             if leftovers:
                 problems.append(f"children outlived corral {corral.url}: " + "; ".join(
                     f"{pid} {' '.join(cmd)[:160]}" for pid, cmd in leftovers.items()))
+            problems.extend(self._check_log(corral, killed))
         self.started.clear()
-        # Nothing survives the daemon: every child it had must be gone.
-        assert not problems, "\n".join(problems)
+        # Nothing survives the daemon: every child it had must be gone; nothing went wrong
+        # in it that the test did not provoke. (Raised, not asserted: pytest would indent the
+        # log lines and repeat them as a list.)
+        if problems:
+            raise AssertionError("\n".join(problems))
+
+    def _check_log(self, corral: Corral, killed: bool) -> list[str]:
+        expected = LogExpectations()
+        expected.merge(self.expected)
+        expected.merge(corral.expected)
+        found = []
+        code = corral.proc.returncode
+        if killed:
+            found.append("did not exit within 30 s of SIGTERM (killed)")
+        elif code not in expected.exit_codes:
+            found.append(f"exited with {code}, not {sorted(expected.exit_codes)}")
+        found += log_problems(corral.log_path.read_text(errors="replace"), expected)
+        if not found:
+            return []
+        return [f"corral {corral.url} (log {corral.log_path}): {len(found)} problem(s) the "
+                "test did not declare (Corral.expect / @pytest.mark.expect_log):",
+                *(f"  - {line}" for line in found)]
+
+
+def declared(request: pytest.FixtureRequest) -> LogExpectations:
+    """What the tests a fixture serves declare with `@pytest.mark.expect_log("event", ...,
+    allow="regex", exit_code=N)`: the test's own marks for a function-scoped fixture; for a
+    module-scoped one (its daemon's log is checked at the module's end), every test's of the
+    module and the module's (`pytestmark`)."""
+    nodes: list[pytest.Item | pytest.Collector] = [request.node]
+    if request.scope == "module":
+        nodes += [item for item in request.session.items
+                  if getattr(item, "module", None) is request.module]
+    out = LogExpectations()
+    for node in nodes:
+        for mark in node.iter_markers("expect_log"):
+            out.add(*mark.args, **mark.kwargs)
+    return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "expect_log(*events, allow=(), exit_code=None): what the test's daemons "
+        "log on purpose (failed events, a traceback by pattern, an exit code); see "
+        "conftest.LogExpectations")
 
 
 @pytest.fixture
-def start_corral(tmp_path: Path) -> Iterator[CorralFactory]:
+def start_corral(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[CorralFactory]:
     """start_corral(config, api_key=..., wait=True) → Corral, stopped after the test."""
-    factory = CorralFactory(tmp_path)
+    factory = CorralFactory(tmp_path, declared(request))
     yield factory
     factory.close()
 
 
 @pytest.fixture(scope="module")
-def start_corral_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorralFactory]:
-    """Like start_corral, for a daemon several tests of one module share."""
-    factory = CorralFactory(tmp_path_factory.mktemp("corral"))
+def start_corral_module(tmp_path_factory: pytest.TempPathFactory,
+                        request: pytest.FixtureRequest) -> Iterator[CorralFactory]:
+    """Like start_corral, for a daemon several tests of one module share. Its log is checked
+    at the module's end, against what any test of the module declares."""
+    factory = CorralFactory(tmp_path_factory.mktemp("corral"), declared(request))
     yield factory
     factory.close()

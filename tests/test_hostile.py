@@ -122,6 +122,7 @@ def test_every_response_carries_a_request_id_that_its_log_lines_carry(start_corr
         assert streamed.read().decode().rstrip().endswith("data: [DONE]")
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_a_failed_start_tells_the_client_its_request_id_and_keeps_the_log_lines(
         start_corral, tiny_models, tmp_path):
     broken = tmp_path / "corrupt.gguf"
@@ -178,6 +179,7 @@ def test_error_to_http_table():
 
 # -- 4. shutdown and hang-ups ------------------------------------------------------------------
 
+@pytest.mark.expect_log("proxy.upstream_failed", "proxy.request_failed")
 def test_a_request_stopped_by_shutdown_gets_503_with_retry_after(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models, shutdown_grace=1))
     corral.chat("tiny-a", max_tokens=1)

@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
+from structlog.testing import capture_logs
 
 from corral.supervisor import discovery, inventory
 from corral.supervisor.config import default_config, parse_config
@@ -25,7 +23,7 @@ from corral.supervisor.config.watch import models_folder, watch_models_dir
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.discovery import MAX_DEPTH, discover
 
-from conftest import Corral, CorralFactory, free_port, wait_until
+from conftest import Corral, CorralFactory, wait_until
 from tinymodel import N_EMBD, N_FF, N_LAYER, vocab, write_tiny_llama
 
 
@@ -281,8 +279,13 @@ def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
         daemon = Daemon(default_config(folder), tmp_path / "children.json",
                         config_loader=lambda: default_config(folder))
         stop = asyncio.Event()
-        watcher = asyncio.create_task(watch_models_dir(daemon, stop, settle=1.0))
-        await asyncio.sleep(0.3)  # the watch is set up
+        with capture_logs() as logs:
+            watcher = asyncio.create_task(watch_models_dir(daemon, stop, settle=1.0))
+            # The line comes after the watcher's first listing, and its watch is set up in
+            # the same step of the loop (awatch's first step): what changes from here on
+            # has an event. Waited for, not guessed.
+            await asyncio.wait_for(_until(lambda: any(
+                e["event"] == "models_dir.watching" for e in logs)), 5)
 
         async def record() -> None:
             while True:
@@ -327,31 +330,11 @@ def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
 # -- end to end: `corral serve --models-dir`, no config file ---------------------------------
 
 @pytest.fixture
-def served_folder(tmp_path: Path) -> Any:
+def served_folder(start_corral: CorralFactory, tmp_path: Path) -> tuple[Corral, Path]:
     folder = tmp_path / "models"
     folder.mkdir()
-    factory = CorralFactory(tmp_path)
-    port = free_port()
-    log_path = tmp_path / "corral.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.supervisor.cli", "serve", "--models-dir",
-             str(folder), "--listen", f"127.0.0.1:{port}", "--state-dir",
-             str(tmp_path / "state"), "--log-format", "json", "--log-level", "debug"],
-            stdout=subprocess.DEVNULL, stderr=log_file, cwd=tmp_path)
-    corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, tmp_path / "none.yaml")
-    factory.started.append(corral)  # its close() fails on any child left behind
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(corral.url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, timeout=15)
-    yield corral, folder
-    factory.close()
+    corral = start_corral.spawn(["--models-dir", str(folder)], tmp_path / "none.yaml")
+    return corral, folder
 
 
 def test_served_folder_follows_files_without_a_restart(served_folder, tmp_path):

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import psutil
+import pytest
 
 from conftest import port_is_free, tiny_config, wait_until
 
@@ -94,6 +95,7 @@ def test_in_flight_model_is_never_evicted_new_request_waits(start_corral, tiny_m
     assert corral.model("tiny-a")["state"] == "stopped"
 
 
+@pytest.mark.expect_log("proxy.request_failed")
 def test_no_capacity_is_503_with_retry_after(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
                                       policy={"max_loaded": 1, "evict_timeout": 0.5}))
@@ -154,6 +156,8 @@ def test_non_stream_disconnect_cancels_generation(start_corral, tiny_models):
     _assert_stopped_early(corral, "tiny-a", asked=6000)  # hung up after 0.5 s
 
 
+# A health check may find the killed child gone before its exit is seen.
+@pytest.mark.expect_log("instance.health_failed")
 def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
@@ -185,6 +189,8 @@ def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
     assert corral.spawned_pids("tiny-a") == [pid, state["pid"]]
 
 
+# A health check may find the killed child gone before its exit is seen.
+@pytest.mark.expect_log("proxy.upstream_failed", "proxy.request_failed", "instance.health_failed")
 def test_child_killed_during_non_stream_request_is_502(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
@@ -195,6 +201,7 @@ def test_child_killed_during_non_stream_request_is_502(start_corral, tiny_models
     assert resp.json()["error"]["code"] == "upstream_failed"
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_start_timeout_kills_the_child_it_started(start_corral, tiny_models):
     config = tiny_config(tiny_models)
     config["models"]["tiny-a"]["start_timeout"] = 0.001
@@ -233,6 +240,7 @@ def test_sigterm_drains_in_flight_then_stops_children(start_corral, tiny_models)
     assert _gone(pid)
 
 
+@pytest.mark.expect_log(exit_code=-9)
 def test_daemon_sigkill_leaves_no_orphans(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"]))
     corral.chat("tiny-a", max_tokens=1)

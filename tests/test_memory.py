@@ -85,6 +85,7 @@ def test_a_ram_budget_for_two_children_evicts_by_memory_for_the_third(
     assert by["tiny-c"]["estimate_mib"]["cpu"] > 0 and by["tiny-b"]["measured_mib"]["cpu"] > 0
 
 
+@pytest.mark.expect_log("proxy.request_failed")
 def test_a_load_nothing_can_make_room_for_names_what_is_in_the_way(
         start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
     config = tiny_config(tiny_models, ["tiny-a", "tiny-b"],
@@ -203,6 +204,7 @@ def test_adaptive_kv_steps_down_under_gpu_pressure_and_back_up_with_no_request_f
     assert entry["kv_cache"]["level"] == 0
 
 
+@pytest.mark.expect_log("proxy.request_failed")
 def test_the_sampler_evicts_idle_models_past_the_low_watermark_and_critical_refuses_loads(
         start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     gpu = tmp_path / "gpu.json"

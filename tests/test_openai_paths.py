@@ -175,6 +175,7 @@ def test_models_lists_router_status_and_load_unload_change_it(corral):
                       timeout=15)
 
 
+@pytest.mark.expect_log("daemon.load_failed")
 def test_a_group_loads_its_members_and_a_failed_model_says_so(corral):
     assert corral.http.post("/models/load", json={"model": "pair"}).json() == {"success": True}
     assert wait_until(lambda: router_models(corral)["pair"]["status"]["value"] == "loaded",

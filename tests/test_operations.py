@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +193,7 @@ def test_requests_are_counted_by_model_endpoint_and_status_with_bounded_labels(c
     wait_until(memory_agrees, timeout=15, interval=0.2)
 
 
+@pytest.mark.expect_log("daemon.reload_failed")
 def test_stops_are_counted_by_cause_and_reloads_by_result(corral):
     corral.http.post("/admin/models/tiny-c/load")
     before = metrics(corral)
@@ -459,9 +459,10 @@ def test_a_client_that_hangs_up_during_the_progress_leaves_nothing_behind(corral
     assert corral.chat("slow-progress", max_tokens=2).status_code == 200
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_a_failed_load_after_the_progress_began_is_an_error_event(corral, tmp_path):
     unload(corral, "slow-progress")
-    time.sleep(0.1)
+    wait_until(lambda: corral.model("slow-progress")["state"] == "stopped", timeout=10)
     # Not a model file: the child exits during its load, after the stream began.
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF not really")

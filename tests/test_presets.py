@@ -207,6 +207,7 @@ def test_multi_group_keeps_both_cores_up(start_corral: CorralFactory,
     assert {n: corral.model(n)["pid"] for n in pids} == pids  # nothing swapped
 
 
+@pytest.mark.expect_log("proxy.request_failed")
 def test_fixed_appliance_serves_its_set_only(start_corral: CorralFactory,
                                              smol_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "fixed-appliance.yaml")
@@ -251,6 +252,7 @@ def test_memory_preset_runs_with_budgets_and_kv_modes(start_corral: CorralFactor
         assert by[name]["estimate_mib"]["cpu"] > 0, by[name]
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_vllm_preset_serves_its_gguf_model_and_says_how_to_get_vllm(
         start_corral: CorralFactory, smol_model: Path) -> None:
     """On a machine without /opt/vllm (VLLM_PYTHON unset) the GGUF model answers, and a vLLM

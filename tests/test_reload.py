@@ -24,7 +24,7 @@ import yaml
 from corral.supervisor.config import LoadedConfig, parse_config
 from corral.supervisor.reload import REDACTED, config_view, diff
 
-from conftest import Corral, CorralFactory, tiny_config, wait_until
+from conftest import Corral, CorralFactory, declared, tiny_config, wait_until
 
 # -- the plan ------------------------------------------------------------------------------------
 
@@ -144,8 +144,11 @@ def test_reloads_serialize_and_a_cancelled_caller_does_not_stop_one(tmp_path):
     texts = iter([BASE.replace("ttl: 300", "ttl: 1"), BASE.replace("ttl: 300", "ttl: 2")])
     calls: list[tuple[str, float, float]] = []
 
+    reading = threading.Event()
+
     def slow_loader() -> LoadedConfig:
         began = time.monotonic()
+        reading.set()
         text = next(texts)
         time.sleep(0.2)  # a large config, a slow disk
         calls.append((text, began, time.monotonic()))
@@ -157,7 +160,8 @@ def test_reloads_serialize_and_a_cancelled_caller_does_not_stop_one(tmp_path):
         first = daemon.reload("admin")
         waiter = asyncio.ensure_future(asyncio.shield(first))
         second = daemon.reload("sighup")
-        await asyncio.sleep(0.05)
+        while not reading.is_set():  # the first reload is under way
+            await asyncio.sleep(0.01)
         waiter.cancel()  # the HTTP client hung up
         attempts = await asyncio.gather(first, second)
         assert [a.ok for a in attempts] == [True, True]
@@ -173,7 +177,10 @@ def test_reloads_serialize_and_a_cancelled_caller_does_not_stop_one(tmp_path):
 def test_a_reload_cancelled_mid_read_still_says_how_it_ended(tmp_path):
     from corral.supervisor.daemon import Daemon
 
+    reading = threading.Event()
+
     def slow_loader() -> LoadedConfig:
+        reading.set()
         time.sleep(0.3)
         return parse_config(BASE, source=tmp_path / "c.yaml")
 
@@ -182,7 +189,8 @@ def test_a_reload_cancelled_mid_read_still_says_how_it_ended(tmp_path):
                         tmp_path / "children.json", config_loader=slow_loader)
         sub = daemon.events.subscribe(kinds=frozenset({"reloading", "reload"}))
         task = daemon.reload("file")
-        await asyncio.sleep(0.1)
+        while not reading.is_set():  # mid-read: the loader has begun
+            await asyncio.sleep(0.01)
         task.cancel()  # the daemon shutting down cancels the tasks it owns
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -312,12 +320,12 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path],
-           ) -> Any:
+           request: pytest.FixtureRequest) -> Any:
     folder = tmp_path_factory.mktemp("reload")
     setup = Setup(folder, tiny_models)
     setup.extra.write_text(yaml.safe_dump(setup.extra_config()))
     os.environ[ENV] = str(tiny_models["tiny-c"].parent)
-    factory = CorralFactory(folder)
+    factory = CorralFactory(folder, declared(request))
     try:
         corral = factory(setup.main())
         yield corral, setup
@@ -332,11 +340,14 @@ def corral(shared: tuple[Corral, Setup]) -> tuple[Corral, Setup]:
     corral, setup = shared
     for path in setup.found.iterdir():
         path.unlink()
+    written = None
     for path, data in ((setup.extra, setup.extra_config()), (corral.config_path, setup.main())):
         text = yaml.safe_dump(data)
         if path.read_text() != text:
-            path.write_text(text)
-    time.sleep(0.2)
+            at = write(path, text)
+            written = at if written is None else written
+    if written is not None:
+        wait_reload(corral, written)  # the watcher's own reload of the rewrite comes first
     resp = corral.http.post("/admin/reload")
     assert resp.status_code == 200, resp.text
     wait_until(lambda: all(m["state"] in ("ready", "stopped") for m in corral.models().values()),
@@ -471,6 +482,7 @@ def test_ctx_change_switches_to_a_new_child_while_the_old_one_finishes(corral):
     _untouched(corral, {"tiny-b": pids["tiny-b"]}, {"tiny-b": spawned["tiny-b"]})
 
 
+@pytest.mark.expect_log("daemon.switch_over_failed")
 def test_a_new_child_that_fails_to_start_leaves_the_old_one_serving(corral):
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a"])
@@ -561,6 +573,7 @@ def test_removed_model_drains_then_is_gone_with_404(corral):
     assert corral.model("tiny-a")["pid"] == pids["tiny-a"]
 
 
+@pytest.mark.expect_log("daemon.reload_failed")
 def test_broken_yaml_keeps_the_running_config_and_shows_file_and_line(corral):
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a"])
@@ -590,6 +603,7 @@ def test_broken_yaml_keeps_the_running_config_and_shows_file_and_line(corral):
     _untouched(corral, pids, spawned)
 
 
+@pytest.mark.expect_log("daemon.reload_failed")
 def test_a_save_in_place_caught_empty_is_read_again_and_a_file_left_empty_is_refused(corral):
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a"])
@@ -615,6 +629,7 @@ def test_a_save_in_place_caught_empty_is_read_again_and_a_file_left_empty_is_ref
     _untouched(corral, pids, spawned)
 
 
+@pytest.mark.expect_log("daemon.reload_failed")
 def test_included_file_is_watched_and_its_errors_name_it(corral):
     corral, setup = corral
     pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-c"])
@@ -648,6 +663,7 @@ def test_new_pinned_group_starts_its_models(corral):
 
 # -- the storm -----------------------------------------------------------------------------------
 
+@pytest.mark.expect_log("daemon.reload_failed")
 def test_reload_storm(start_corral: CorralFactory, tiny_models: dict[str, Path]):
     """50 edits in ~10 s (ttl changes, one ctx flip, one broken edit) while four streams and a
     request loop run: nothing fails, only the flipped model restarts, and only once."""

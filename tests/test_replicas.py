@@ -8,6 +8,7 @@ import signal
 import threading
 
 import httpx
+import pytest
 import yaml
 
 from conftest import tiny_config, wait_until
@@ -58,6 +59,8 @@ def test_fixed_replicas_start_together_and_share_the_load(start_corral, tiny_mod
     assert logs["model"] == "tiny-a#2" and logs["pid"] == rows["tiny-a#2"]["pid"]
 
 
+# A health check may find the killed child gone before its exit is seen.
+@pytest.mark.expect_log("instance.health_failed")
 def test_a_replica_that_dies_leaves_the_others_serving_and_is_replaced(start_corral,
                                                                        tiny_models):
     config = tiny_config(tiny_models, ["tiny-a"])

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from corral.proxy.filters import apply
 from corral.supervisor.config.schema.request import RequestFilters
 
-from conftest import REPO, Corral, CorralFactory, free_port, tiny_config, wait_until
+from conftest import REPO, Corral, CorralFactory, tiny_config
 
 SYSTEM = "Be brief."
 
@@ -144,41 +144,25 @@ def readme_sdk_example() -> str:
     return match.group(1)
 
 
-def test_readme_examples_answer_paris_from_the_embedded_default_within_10_s(smol_model, tmp_path):
+def test_readme_examples_answer_paris_from_the_embedded_default_within_10_s(
+        start_corral: CorralFactory, smol_model: Path, tmp_path: Path) -> None:
     body = readme_curl_body()
     assert body["model"] == smol_model.stem
-    port = free_port()
-    log = (tmp_path / "corral.log").open("wb")
     # `corral serve` with no config: the embedded default, as `make run` starts it.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.supervisor.cli", "serve", "--models-dir",
-         str(smol_model.parent), "--listen", f"127.0.0.1:{port}",
-         "--state-dir", str(tmp_path), "--log-format", "json"],
-        stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, (tmp_path / "corral.log").read_text()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(healthy, timeout=15)
-        began = time.monotonic()
-        resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
-        took = time.monotonic() - began
-        assert resp.status_code == 200, resp.text
-        answer = resp.json()["choices"][0]["message"]["content"]
-        # Cold start included: the model loads for this request.
-        assert "Paris" in answer and took < 10, (took, answer)
-        assert resp.json()["usage"]["completion_tokens"] <= 128  # the profile's cap
-        # README's SDK example, as printed but for the port: streamed, it says Paris too.
-        code = readme_sdk_example().replace("http://127.0.0.1:8080", url)
-        printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 timeout=60)
-        assert printed.returncode == 0, printed.stderr
-        assert "Paris" in printed.stdout, printed.stdout
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    corral = start_corral.spawn(["--models-dir", str(smol_model.parent)],
+                                tmp_path / "none.yaml")
+    url = corral.url
+    began = time.monotonic()
+    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    took = time.monotonic() - began
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()["choices"][0]["message"]["content"]
+    # Cold start included: the model loads for this request.
+    assert "Paris" in answer and took < 10, (took, answer)
+    assert resp.json()["usage"]["completion_tokens"] <= 128  # the profile's cap
+    # README's SDK example, as printed but for the port: streamed, it says Paris too.
+    code = readme_sdk_example().replace("http://127.0.0.1:8080", url)
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert "Paris" in printed.stdout, printed.stdout

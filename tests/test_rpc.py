@@ -118,6 +118,8 @@ def test_gguf_endpoint_shows_the_file_and_the_split(local: Corral, eight_layers:
     assert local.http.get("/admin/models/nope/gguf").status_code == 404
 
 
+# The head dies with its worker: a health check may find it gone first.
+@pytest.mark.expect_log("instance.health_failed")
 def test_a_killed_worker_ends_the_stream_cleanly_and_the_next_request_deploys_again(
         local: Corral) -> None:
     assert local.chat("big", max_tokens=1).status_code == 200
@@ -210,6 +212,9 @@ def test_a_deployment_cancelled_twice_still_releases_the_workers_it_started() ->
     from corral.supervisor.rpc.deploy import _start_all
 
     released: list[str] = []
+    quick_started = asyncio.Event()
+    slow_started = asyncio.Event()
+    slow_stopping = asyncio.Event()
 
     class Started:
         async def release(self) -> None:
@@ -217,23 +222,28 @@ def test_a_deployment_cancelled_twice_still_releases_the_workers_it_started() ->
             released.append("quick")
 
     async def quick() -> Started:
+        quick_started.set()
         return Started()
 
     async def slow() -> None:
+        slow_started.set()
         try:
             await asyncio.sleep(3600)
         finally:
+            slow_stopping.set()
             await asyncio.shield(asyncio.sleep(0.1))  # a worker that takes a while to stop
 
     async def scenario() -> None:
         task = asyncio.ensure_future(_start_all([quick(), slow()], ["a", "b"]))
-        await asyncio.sleep(0.02)
+        await asyncio.wait_for(asyncio.gather(quick_started.wait(), slow_started.wait()), 5)
         task.cancel()
-        await asyncio.sleep(0.02)
+        await asyncio.wait_for(slow_stopping.wait(), 5)  # the first cleanup waits for it
         task.cancel()  # while the first cleanup waits for the slow start to stop
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(5):  # the cleanup goes on after the caller gave up
+            while not released:
+                await asyncio.sleep(0.01)
         assert released == ["quick"]
 
     asyncio.run(scenario())
@@ -411,6 +421,8 @@ def test_the_head_serves_through_a_peers_rpc_server(head: Corral, worker: Worker
     assert f"{WORKER_IP}:{loans[0]['port']}" == deployed[1]["endpoint"]
 
 
+# The head dies with its worker: a health check may find it gone first.
+@pytest.mark.expect_log("instance.health_failed")
 def test_worker_loss_then_redeploy_without_it_then_rebalance_when_back(
         head: Corral, worker: Worker) -> None:
     assert head.chat("big", max_tokens=1).status_code == 200
@@ -432,6 +444,7 @@ def test_worker_loss_then_redeploy_without_it_then_rebalance_when_back(
     assert rebalances and rebalances[-1]["back"] == ["box2"]
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed", "instance.health_failed")
 def test_without_room_on_the_remaining_workers_requests_get_503_until_the_worker_is_back(
         start_corral: CorralFactory, worker: Worker, eight_layers: Path,
         tmp_path: Path) -> None:
@@ -463,6 +476,7 @@ def test_without_room_on_the_remaining_workers_requests_get_503_until_the_worker
     assert [w["kind"] for w in rpc_state(head)["deployed"]] == ["local", "peer"]
 
 
+@pytest.mark.expect_log(exit_code=-9)
 def test_a_head_that_dies_leaves_nothing_running_on_its_worker(
         start_corral: CorralFactory, worker: Worker, eight_layers: Path) -> None:
     head = start_corral({
@@ -481,6 +495,7 @@ def test_a_head_that_dies_leaves_nothing_running_on_its_worker(
     assert "no renewal from the head in 5s" in log
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_a_worker_of_another_rpc_protocol_is_refused(
         start_corral: CorralFactory, netns: str, eight_layers: Path, tmp_path: Path) -> None:
     """Another llama.cpp build on the worker: a wrapper that announces protocol v6.9.0 before

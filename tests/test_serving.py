@@ -157,6 +157,7 @@ def test_api_keys_guard_v1_and_admin(start_corral, tiny_models):
     assert httpx.get(corral.url + "/health").status_code == 200  # for load balancers
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_start_failure_is_502_and_keeps_log_lines_for_admins(start_corral, tiny_models,
                                                               tmp_path):
     broken = tmp_path / "broken.gguf"
@@ -176,6 +177,7 @@ def test_start_failure_is_502_and_keeps_log_lines_for_admins(start_corral, tiny_
     assert corral.chat("tiny-a", max_tokens=2).status_code == 200  # others unaffected
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_start_timeout_is_504(start_corral, tiny_models):
     config = tiny_config(tiny_models)
     config["models"]["tiny-a"]["start_timeout"] = 0.001
@@ -187,6 +189,7 @@ def test_start_timeout_is_504(start_corral, tiny_models):
     assert state["state"] == "failed" and state["pid"] is None
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_missing_binary_is_a_clear_error(start_corral, tiny_models):
     config = tiny_config(tiny_models)
     config["models"]["tiny-a"]["binary"] = "/nonexistent/llama-server"
@@ -210,6 +213,7 @@ def test_admin_load_unload_and_logs(start_corral, tiny_models):
     assert corral.http.post("/admin/models/nope/load").status_code == 404
 
 
+@pytest.mark.expect_log("proxy.upstream_failed", "proxy.request_failed")
 def test_unload_drains_in_flight_unless_forced(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models))
     corral.chat("tiny-a", max_tokens=1)
@@ -231,37 +235,16 @@ def test_unload_drains_in_flight_unless_forced(start_corral, tiny_models):
     assert outcome[1].status_code == 502
 
 
-def test_embedded_default_serves_every_gguf_in_the_models_dir(tiny_models, tmp_path):
+def test_embedded_default_serves_every_gguf_in_the_models_dir(start_corral, tiny_models,
+                                                              tmp_path):
     """`corral serve` with no config: each *.gguf in --models-dir, named after its file."""
-    import signal
-    import subprocess
-    import sys
-
-    from conftest import free_port
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.supervisor.cli", "serve", "--models-dir",
-         str(tiny_models["tiny-a"].parent), "--listen", f"127.0.0.1:{port}",
-         "--state-dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, timeout=15)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        assert {m.id for m in client.models.list()} == set(tiny_models)
-        reply = client.chat.completions.create(
-            model="tiny-b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert reply.model == "tiny-b" and reply.usage.completion_tokens == 3
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+    corral = start_corral.spawn(["--models-dir", str(tiny_models["tiny-a"].parent)],
+                                tmp_path / "none.yaml")
+    client = corral.client()
+    assert {m.id for m in client.models.list()} == set(tiny_models)
+    reply = client.chat.completions.create(
+        model="tiny-b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.model == "tiny-b" and reply.usage.completion_tokens == 3
 
 
 def test_embeddings_are_relayed(start_corral, tiny_models):
