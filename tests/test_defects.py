@@ -34,7 +34,7 @@ def test_a_start_that_crashes_ends_failed_not_wedged_in_starting(start_corral, t
     raises FileNotFoundError, not StartFailed): 500 and `starting` for good, before."""
     corral = start_corral({"models": {"big": {"model": str(tmp_path / "typo.gguf"),
                                               "rpc": {"workers": ["local"]}}}})
-    corral.expect("instance.start_crashed", "daemon.load_failed", "instance.start_backoff")
+    corral.expect("proxy.start_failed", "proxy.request_failed")
     first = corral.http.post("/v1/chat/completions", json=_body("big", max_tokens=1))
     assert first.status_code in (502, 503), first.text
     assert first.json()["error"]["code"] in ("model_start_failed", "workers_unavailable")
@@ -108,7 +108,7 @@ def test_a_request_timeout_probes_the_child_and_the_next_request_is_served(
     config["models"]["tiny-a"].update(first_byte_timeout=2, health_interval=30,
                                       health_timeout=0.5)
     corral = start_corral(config)
-    corral.expect("instance.unresponsive", "proxy.upstream_failed")
+    corral.expect("proxy.upstream_failed", "proxy.request_failed")
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
     pid = corral.model("tiny-a")["pid"]
     os.kill(pid, signal.SIGSTOP)
@@ -134,7 +134,7 @@ def test_an_unload_ends_stopped_even_when_the_child_dies_during_its_drain(
     config = tiny_config(tiny_models, shutdown_grace=60)
     config["models"]["tiny-a"].update(parallel=1, idle_timeout=60)
     corral = start_corral(config)
-    corral.expect("proxy.upstream_failed")
+    corral.expect("proxy.upstream_failed", "proxy.request_failed", "proxy.stream_broken")
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
     pid = corral.model("tiny-a")["pid"]
     results: dict[str, httpx.Response | BaseException] = {}

@@ -125,6 +125,7 @@ def _ask_peer_api(lender: Lender, method: str, path: str, **kwargs: Any
     return asyncio.run(scenario())
 
 
+@pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
 def test_a_workers_output_and_a_peers_answer_stay_out_of_the_v1_body(
         failing: tuple[Corral, dict[str, httpx.Response]]) -> None:
     corral, answers = failing

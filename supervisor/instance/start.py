@@ -17,6 +17,7 @@ from corral.supervisor.backends.base import BinaryNotFound
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.instance.state import STARTABLE, Health, IllegalTransition
+from corral.supervisor.memory.estimate import EstimateError
 from corral.supervisor.port import State
 from corral.supervisor.process import (
     ChildExited,
@@ -95,9 +96,14 @@ async def _start(self: Instance, session: aiohttp.ClientSession,
         except (StartFailed, asyncio.CancelledError):
             raise
         except Exception as exc:
-            # Any error at all (a GGUF that won't parse, a peer answering HTML, an
-            # OSError): the start ends FAILED with the reason and counts for the back-off.
-            self._log.exception("instance.start_crashed", pid=self.pid)
+            # Any error at all ends the start FAILED with the reason, counted for the back-off.
+            # A model file that cannot be read or parsed, a peer's odd answer: said plainly; any
+            # other error is a bug in corral, logged with its traceback.
+            if isinstance(exc, (OSError, ValueError, EstimateError)):
+                self._log.warning("instance.start_error", pid=self.pid,
+                                  error=f"{type(exc).__name__}: {exc}")
+            else:
+                self._log.exception("instance.start_crashed", pid=self.pid)
             await self._stop_own_child()
             message = f"{self.name}: start failed: {type(exc).__name__}: {exc}"
             self._fail_start(message)
