@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorError
+from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorError, Unloaded
 from corral.supervisor.port import ModelStatus
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ async def _load_quietly(self: Daemon, name: str) -> None:
     try:
         lease = await self.acquire(name)
         lease.release()
+    except Unloaded as exc:  # an unload asked after this load wins: not a failure
+        log.info("daemon.load_called_off", model=name, reason=str(exc))
     except SupervisorError as exc:
         log.warning("daemon.load_failed", model=name, error=str(exc))
 

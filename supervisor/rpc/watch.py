@@ -57,7 +57,12 @@ class WorkerReturnWatch:
                 task = asyncio.create_task(self._rebalance(inst.name),
                                            name=f"rebalance:{inst.name}")
                 self._rebalancing.add(task)
-                task.add_done_callback(self._rebalancing.discard)
+                task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._rebalancing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("daemon.rebalance_crashed", task=task.get_name(), exc_info=task.exception())
 
     async def _answers(self, peer_name: str) -> bool:
         peer = self._peers().get(peer_name)
