@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from corral.supervisor.backends.binaries import find_executable
 from corral.supervisor.config.schema import PromptCacheConfig
@@ -125,38 +125,45 @@ def test_a_conversation_survives_eviction_unload_and_restart(start_corral, smol_
 def test_another_setup_is_never_restored_and_a_corrupt_file_is_dropped(start_corral,
                                                                        smol_model):
     config = _config(smol_model)
-    config["models"]["smol"]["ttl"] = 1
     corral = start_corral(config)
+    folder = Path(start_corral.folder) / "state" / "prompt-cache"
     messages = _conversation("the mill")
     first, _ = _chat(corral, "smol", messages)
-    # TTL stop: saved.
-    wait_until(lambda: corral.log_events("prompt_cache.saved"), timeout=20)
-    assert any("ttl" in e.get("reason", "").lower() for e in corral.log_events("instance.stop"))
     messages = _next_turn(messages, first, "More?")
 
-    # Another context size: another KV layout; the file stays, unused.
-    other = json.loads(json.dumps(config))
-    other["models"]["smol"]["ctx"] = 1024
-    corral = _restart(start_corral, corral, other)
+    def saves() -> list[dict[str, Any]]:
+        return corral.log_events("prompt_cache.saved")
+
+    def reload(**smol: Any) -> None:
+        config["models"]["smol"].update(smol)
+        corral.config_path.write_text(yaml.safe_dump(config))
+        assert corral.http.post("/admin/reload").status_code == 200
+
+    # A reload to another context size: the child is saved on its way out; the next one has
+    # another KV layout, so the file stays, unused.
+    reload(ctx=1024)
+    wait_until(lambda: len(saves()) == 1, timeout=20)
+    (saved_2048,) = _files(corral)
     answer, headers = _chat(corral, "smol", messages)
     assert _cold(answer) and "prompt-cache" not in headers["Server-Timing"]
-    assert len(_files(corral)) == 1  # its own save waits for its stop
 
-    # Back to the setup it was saved with, but the file was overwritten on disk (same size):
-    # skipped and deleted, and the request answered as if there were no cache.
-    corral.proc.send_signal(signal.SIGTERM)
-    corral.proc.wait(30)
-    folder = Path(start_corral.folder) / "state" / "prompt-cache"
-    index = json.loads((folder / "index.json").read_text())
-    ours = [min(index["entries"], key=lambda e: e["saved_at"])]  # the ctx 2048 one
-    for entry in ours:
-        with open(folder / entry["file"], "r+b") as f:
-            f.write(os.urandom(4096))
-    corral = start_corral(config)
+    # Back to the setup the file was saved with, but the file was overwritten on disk (same
+    # size): skipped and deleted, and the request answered as if there were no cache.
+    with open(folder / saved_2048["file"], "r+b") as f:
+        f.write(os.urandom(4096))
+    reload(ctx=2048, ttl=1)
+    wait_until(lambda: len(saves()) == 2, timeout=20)  # the ctx 1024 child's slot
     answer, headers = _chat(corral, "smol", messages)
     assert _cold(answer)
-    assert all(not (folder / e["file"]).exists() for e in ours)
-    assert corral.log_events("prompt_cache.dropped")
+    assert not (folder / saved_2048["file"]).exists()
+    assert [e["file"] for e in corral.log_events("prompt_cache.dropped")] == [saved_2048["file"]]
+
+    # A TTL stop saves too, and the next turn is restored from it.
+    wait_until(lambda: len(saves()) == 3, timeout=20)
+    assert any("ttl" in e.get("reason", "") for e in corral.log_events("instance.stop"))
+    messages = _next_turn(messages, answer, "And then?")
+    answer, headers = _chat(corral, "smol", messages)
+    assert _restored(answer, headers)
 
 
 def test_two_slots_keep_two_conversations(start_corral, smol_model):

@@ -37,12 +37,25 @@ _NOT_PROMPT = ("id_slot", "stream", "stream_options", "n_probs", "max_tokens")
 
 @dataclasses.dataclass(slots=True)
 class Record:
-    """The last request a slot served: what its KV cache begins with."""
+    """The last request a slot served: what its KV cache begins with. Kept as it came (bytes
+    or a dict) and parsed only when its tokens are needed (a restore, a save)."""
 
     path: str
-    body: dict[str, Any]
+    raw: bytes | dict[str, Any]
     tokens: list[int] | None = None  # known when a restore tokenized it already
     used: float = 0.0
+    _body: dict[str, Any] | None = None
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request without the fields that are not its prompt."""
+        if self._body is None:
+            parsed = json.loads(self.raw) if isinstance(self.raw, (bytes, bytearray)) \
+                else self.raw
+            if not isinstance(parsed, dict):
+                raise ValueError("the request body is not a JSON object")
+            self._body = {k: v for k, v in parsed.items() if k not in _NOT_PROMPT}
+        return self._body
 
 
 def _conversation(path: str, body: dict[str, Any]) -> list[Any] | str | None:
@@ -86,6 +99,18 @@ class Slots:
     async def pin(self, lease: Lease, path: str, body: Any) -> Any:
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
+        if len(self.records) == 1:
+            # One slot: llama-server can use no other, so the body goes as it is (not parsed
+            # on the hot path: only a restore or a save reads it).
+            if 0 in self._leased:
+                return body
+            self._leased[0] = lease
+            lease.slot = 0
+            record = Record(path, body, used=time.monotonic())
+            if self.records[0] is None:
+                await self._restore(lease, 0, record)
+            self.records[0] = record
+            return body
         parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
         if not isinstance(parsed, dict):
             return body
@@ -96,8 +121,7 @@ class Slots:
         slot = self._choose(free, path, conversation)
         self._leased[slot] = lease
         lease.slot = slot
-        record = Record(path, {k: v for k, v in parsed.items() if k not in _NOT_PROMPT},
-                        used=time.monotonic())
+        record = Record(path, parsed, used=time.monotonic())
         if self.records[slot] is None:
             await self._restore(lease, slot, record)
         self.records[slot] = record
@@ -222,8 +246,19 @@ class Slots:
                 held = {s.get("id"): s.get("n_prompt_tokens", 0) for s in listing
                         if isinstance(s, dict)} if isinstance(listing, list) else {}
                 for slot in todo:
-                    if int(held.get(slot) or 0) >= settings.min_tokens:
+                    n = int(held.get(slot) or 0)
+                    if n < settings.min_tokens:
+                        continue
+                    room = self._cache.store.room_for(await self.key(), n)
+                    if room is not None:
+                        self._log.info("prompt_cache.save_skipped", slot=slot, tokens=n,
+                                       reason=room)
+                        continue
+                    try:
                         await self._save(slot)
+                    except (ValueError, RuntimeError, OSError, aiohttp.ClientError) as exc:
+                        self._log.warning("prompt_cache.save_skipped", slot=slot,
+                                          error=str(exc) or type(exc).__name__)
         except Exception as exc:
             self._log.warning("prompt_cache.save_cut_short", error=str(exc) or type(exc).__name__,
                               timeout=settings.save_timeout)

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -87,6 +88,9 @@ class Store:
         self._on_drop = on_drop
         self.entries: dict[str, Entry] = {}
         self.counters = Counters()
+        # Bytes per token of the last file saved for each setup: a save that could not fit
+        # the budget (or the disk) is not written at all.
+        self._per_token: dict[str, float] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._load()
 
@@ -117,6 +121,7 @@ class Store:
                 self.drop(entry, problem)
                 continue
             self.entries[entry.file] = entry
+            self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
         for path in self.dir.glob(f"*{SUFFIX}"):
             if path.name not in self.entries:
                 log.info("prompt_cache.orphan_deleted", file=path.name)
@@ -161,6 +166,7 @@ class Store:
                     and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
                 self.drop(old, "superseded by a longer save of the same conversation")
         self.entries[entry.file] = entry
+        self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
         self.counters.saves += 1
         self.counters.saved_bytes += entry.bytes
         self._fit_budget()
@@ -175,6 +181,20 @@ class Store:
                 break
             total -= entry.bytes
             self.drop(entry, f"disk budget ({budget // (1 << 20)} MiB)")
+
+    def room_for(self, key: str, tokens: int) -> str | None:
+        """None when a file of `tokens` tokens may be written, else why not: larger than the
+        whole budget, or than half the disk's free space (as far as earlier saves of this
+        setup tell its size)."""
+        per_token = self._per_token.get(key)
+        if per_token is None:
+            return None
+        size = per_token * tokens
+        if size > self._max_bytes():
+            return f"about {size / (1 << 20):.0f} MiB, over the whole budget"
+        if size * 2 > shutil.disk_usage(self.dir).free:
+            return f"about {size / (1 << 20):.0f} MiB, over half the free disk space"
+        return None
 
     def best(self, key: str, tokens: Sequence[int], min_tokens: int) -> tuple[Entry, int] | None:
         """The file of this setup sharing the longest prefix with `tokens` (at least
