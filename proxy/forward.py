@@ -9,7 +9,6 @@ import aiohttp
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
 
 from corral.proxy import client_io
 from corral.proxy.client_io import ClientWriter
@@ -68,7 +67,7 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
         # The prompt cache: the request pinned to a slot, a saved prefix restored into it.
         field = "data" if "data" in request else "json"
         if field in request:
-            request[field] = await lease.pin(URL(url).path, request[field])
+            request[field] = await lease.pin(url, request[field])
     for attempt in (1, 2, 3):
         try:
             response = await session.post(url, **request)

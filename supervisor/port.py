@@ -63,7 +63,7 @@ class Restored:
 class PromptSlots(Protocol):
     """A child's slots, as the prompt cache tracks them (supervisor/prompt_cache/)."""
 
-    async def pin(self, lease: Lease, path: str, body: Any) -> Any: ...
+    async def pin(self, lease: Lease, url: str, body: Any) -> Any: ...
     def unpin(self, lease: Lease) -> None: ...
 
 
@@ -102,13 +102,14 @@ class Lease:
         self.slot: int | None = None  # the child's slot the request was pinned to (id_slot)
         self.restored: Restored | None = None
 
-    async def pin(self, path: str, body: Any) -> Any:
-        """Before the request goes to the child (at most once): with the prompt cache on, the
-        body (bytes or a dict) pinned to a slot (`id_slot`), and a saved prefix restored into
-        that slot when it is empty and one matches (`restored`). Otherwise the body as is."""
+    async def pin(self, url: str, body: Any) -> Any:
+        """Before the request goes to the child's `url` (at most once): with the prompt cache
+        on, the body (bytes or a dict) pinned to a slot (`id_slot`), and a saved prefix
+        restored into that slot when it is empty and one matches (`restored`). Otherwise the
+        body as is."""
         if self._prompt_slots is None or self.slot is not None:
             return body
-        return await self._prompt_slots.pin(self, path, body)
+        return await self._prompt_slots.pin(self, url, body)
 
     def release(self) -> None:
         if not self._released:

@@ -187,6 +187,18 @@ def test_two_slots_keep_two_conversations(start_corral, smol_model):
     assert sorted(e["slot"] for e in restored) == [0, 1]
     assert len({e["file"] for e in restored}) == 2
 
+    # The disk budget: lowered (a reload) below what both conversations take, the next saves
+    # keep the newest file only.
+    largest = max(e["bytes"] for e in _files(corral))
+    config["prompt_cache"]["max_mb"] = largest * 1.5 / (1 << 20)
+    corral.config_path.write_text(yaml.safe_dump(config))
+    assert corral.http.post("/admin/reload").status_code == 200
+    corral.http.post("/admin/models/smol/unload").raise_for_status()
+    wait_until(lambda: len(corral.log_events("prompt_cache.saved")) == 4)
+    (kept,) = _files(corral)
+    assert kept["bytes"] <= largest * 1.5
+    assert any("budget" in e["reason"] for e in corral.log_events("prompt_cache.dropped"))
+
 
 # -- the store, without children -----------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import json
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
@@ -96,7 +97,8 @@ class Slots:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def pin(self, lease: Lease, path: str, body: Any) -> Any:
+    async def pin(self, lease: Lease, url: str, body: Any) -> Any:
+        path = urlsplit(url).path
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
         if len(self.records) == 1:
