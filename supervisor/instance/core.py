@@ -370,8 +370,11 @@ class Instance:
             # No start can have begun since this stop did: this is the child it was for.
             process = self.process
             slots, self.prompt_slots = self.prompt_slots, None
+            # Not from a child that stopped answering (its slots would cost the whole
+            # save_timeout, and the stop waits on them).
             if slots is not None and process is not None and process.alive() \
-                    and not self._marked_dead:
+                    and not self._marked_dead and self.health.failures == 0 \
+                    and self._unresponsive_pid != process.pid:
                 await slots.save_all()  # bounded by save_timeout; never raises
             if process is not None:
                 await process.stop(self.spec.stop_grace)

@@ -47,6 +47,10 @@ class Record:
     used: float = 0.0
     _body: dict[str, Any] | None = None
 
+    def size(self) -> int:
+        raw = self.raw
+        return len(raw) if isinstance(raw, (bytes, bytearray)) else len(json.dumps(raw))
+
     @property
     def body(self) -> dict[str, Any]:
         """The request without the fields that are not its prompt."""
@@ -237,13 +241,19 @@ class Slots:
         """At a stop, before the child goes: every idle slot holding at least min_tokens is
         saved. Bounded by save_timeout and never raises: a stop must never hang on it."""
         settings = self._cache.settings()
-        todo = [i for i, r in enumerate(self.records) if r is not None and i not in self._leased]
+        # A request whose body is shorter than half of min_tokens in bytes cannot have filled
+        # a slot with min_tokens tokens (a token is a byte of text or more, and the template
+        # adds a few dozen): not worth asking the child, which may be the one not answering.
+        todo = [i for i, r in enumerate(self.records) if r is not None and i not in self._leased
+                and r.size() * 2 >= settings.min_tokens]
         if not todo or not self.spec.prompt_cache or not settings.enabled:
             return
         try:
             async with asyncio.timeout(settings.save_timeout):
-                async with self._session.get(self._base + "/slots",
-                                             headers=self._headers) as resp:
+                # A child that does not say what its slots hold within a health probe's
+                # time is not asked to write them either.
+                async with asyncio.timeout(self.spec.health_timeout), \
+                        self._session.get(self._base + "/slots", headers=self._headers) as resp:
                     listing = await resp.json(content_type=None)
                 held = {s.get("id"): s.get("n_prompt_tokens", 0) for s in listing
                         if isinstance(s, dict)} if isinstance(listing, list) else {}
