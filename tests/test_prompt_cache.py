@@ -261,3 +261,11 @@ async def _cache_keys(tmp_path: Path, smol_model: Path) -> None:
     for change in ({"cache_type_k": "q8_0"}, {"cache_type_v": "q8_0"}, {"ctx": 4096},
                    {"parallel": 2}, {"args": ("--flash-attn", "on")}):
         assert await cache.cache_key(dataclasses.replace(spec, **change), binary) != base, change
+    # Another model file, or the same path rewritten (size or mtime).
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(smol_model.read_bytes())
+    other = dataclasses.replace(spec, model_path=copy)
+    before = await cache.cache_key(other, binary)
+    assert before != base
+    os.utime(copy, ns=(0, 0))
+    assert await cache.cache_key(other, binary) != before

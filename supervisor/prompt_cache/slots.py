@@ -75,6 +75,8 @@ def _shared(old: list[Any] | str, new: list[Any] | str) -> tuple[int, bool]:
     """(how much of `old` begins `new`, whether all of it does) for messages or text."""
     if type(old) is not type(new):
         return 0, False
+    if isinstance(old, str):  # a completion prompt: only a continuation counts (C speed)
+        return (len(old), True) if isinstance(new, str) and new.startswith(old) else (0, False)
     n = min(len(old), len(new))
     i = 0
     while i < n and old[i] == new[i]:
@@ -117,7 +119,10 @@ class Slots:
                 await self._restore(lease, 0, record)
             self.records[0] = record
             return body
-        parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+        try:
+            parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+        except ValueError:
+            return body  # the child answers that itself
         if not isinstance(parsed, dict):
             return body
         conversation = _conversation(path, parsed)
