@@ -70,6 +70,6 @@ def _prompt_cache(self: Instance) -> dict[str, Any] | None:
     cache = self._prompt_cache
     if cache is None or not self.spec.prompt_cache:
         return None
-    mine = cache.store.status()["models"].get(self.model, {"files": 0, "bytes": 0})
+    mine = cache.store.of_model(self.model)
     slots = self.prompt_slots
     return {**mine, "slots_in_use": sum(r is not None for r in slots.records) if slots else 0}

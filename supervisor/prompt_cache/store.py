@@ -217,6 +217,11 @@ class Store:
         self.counters.restored_tokens += tokens
         self._write()
 
+    def of_model(self, model: str) -> dict[str, int]:
+        """One model's files and bytes (for its /admin/models entry)."""
+        mine = [e.bytes for e in self.entries.values() if e.model == model]
+        return {"files": len(mine), "bytes": sum(mine)}
+
     def status(self) -> dict[str, Any]:
         c = self.counters
         models: dict[str, dict[str, int]] = {}
