@@ -67,6 +67,7 @@ bench: demo-model vllm nginx
 	$(BIN)/python bench/memory_estimate.py
 	$(BIN)/python bench/vllm_children.py
 	$(BIN)/python bench/rpc_split.py
+	$(BIN)/python bench/prompt_cache.py
 
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.

@@ -51,6 +51,9 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     async def memory(request: web.Request) -> web.Response:
         return web.json_response(request.app[key].memory_status())
 
+    async def prompt_cache(request: web.Request) -> web.Response:
+        return web.json_response(request.app[key].prompt_cache_status())
+
     async def config(request: web.Request) -> web.Response:
         return web.json_response(request.app[key].config_status())
 
@@ -146,6 +149,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     app.router.add_post("/admin/models/{name}/rebalance", rebalance)
     app.router.add_get("/admin/models/{name}/gguf", gguf)
     app.router.add_get("/admin/memory", memory)
+    app.router.add_get("/admin/prompt-cache", prompt_cache)
     app.router.add_get("/admin/config", config)
     app.router.add_post("/admin/reload", reload)
     app.router.add_get("/admin/models", models)

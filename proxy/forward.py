@@ -64,6 +64,10 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
     if lease is not None:
         request["headers"] = {**request.get("headers", {}), **lease.headers}
         request["timeout"] = _first_byte_timeout(lease.first_byte_timeout)
+        # The prompt cache: the request pinned to a slot, a saved prefix restored into it.
+        field = "data" if "data" in request else "json"
+        if field in request:
+            request[field] = await lease.pin(url, request[field])
     for attempt in (1, 2, 3):
         try:
             response = await session.post(url, **request)
@@ -132,6 +136,7 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
     })
     if record is not None:
         record.head()
+        record.restored = lease.restored if lease is not None else None
     try:
         if upstream.content_type == "text/event-stream":
             response = await _relay_stream(request, upstream, model, record, started, lease)

@@ -89,6 +89,22 @@ class Metrics:
         self.client_write_timeouts = Counter(
             "corral_client_write_timeouts", "Clients cut off after taking no bytes for "
             "client_write_timeout seconds, by the model answering them", model, registry=r)
+        self.cache_saves = Counter("corral_prompt_cache_saves", "Slots saved to disk at a "
+                                   "stop (the prompt cache)", model, registry=r)
+        self.cache_saved_bytes = Counter("corral_prompt_cache_saved_bytes", "Bytes of slots "
+                                         "saved to disk", model, registry=r)
+        self.cache_restores = Counter("corral_prompt_cache_restores", "Saved slots restored "
+                                      "into a child before a request", model, registry=r)
+        self.cache_restored_tokens = Counter("corral_prompt_cache_restored_tokens", "Prompt "
+                                             "tokens restored instead of prefilled", model,
+                                             registry=r)
+        self.cache_dropped = Counter("corral_prompt_cache_dropped", "Saved slots deleted "
+                                     "(budget, superseded, truncated, refused)", model,
+                                     registry=r)
+        self.cache_prefill_saved = Counter(
+            "corral_prompt_cache_prefill_saved_seconds", "Prefill time the restored tokens "
+            "would have taken, estimated at the child's prefill speed for the request", model,
+            registry=r)
         r.register(_LiveState(daemon))
         daemon.events.listen(self.on_event)
         # The labelled series each request touches, looked up once (labels() costs a few
@@ -121,6 +137,9 @@ class Metrics:
                                                                            record.endpoint)
             duration.observe(record.duration_s)
         per_model.observe(record)
+        if record.restored is not None and record.prompt_ms_per_token is not None:
+            self.cache_prefill_saved.labels(model).inc(
+                record.restored.tokens * record.prompt_ms_per_token / 1000)
 
     def client_stalled(self, model: str | None) -> None:
         """A client cut off by proxy/client_io (rare: no series cached)."""
@@ -144,6 +163,14 @@ class Metrics:
             self.stops.labels(data["model"], data["cause"]).inc()
             if data["cause"] in ("lru", "memory"):
                 self.evictions.labels(data["model"], data["cause"]).inc()
+        elif kind == "prompt_cache_saved":
+            self.cache_saves.labels(data["model"]).inc()
+            self.cache_saved_bytes.labels(data["model"]).inc(data["bytes"])
+        elif kind == "prompt_cache_restored":
+            self.cache_restores.labels(data["model"]).inc()
+            self.cache_restored_tokens.labels(data["model"]).inc(data["tokens"])
+        elif kind == "prompt_cache_dropped":
+            self.cache_dropped.labels(data["model"]).inc()
         elif kind == "reload":
             self.reloads.labels("ok" if data["ok"] else "failed").inc()
         elif kind == "group":

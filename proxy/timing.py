@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.supervisor.port import Lease
+from corral.supervisor.port import Lease, Restored
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
 _TAIL_CHUNKS = 4
@@ -38,6 +38,8 @@ class RequestRecord:
     tokens_per_s: float | None = None  # generation speed, as the child measured it
     instance: str | None = None
     pid: int | None = None
+    restored: Restored | None = None  # the prompt cache restored a saved prefix for it
+    prompt_ms_per_token: float | None = None  # the child's prefill speed for this request
     tail: collections.deque[bytes] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
 
@@ -69,6 +71,9 @@ class RequestRecord:
                                   ("ttfb", self.ttfb_s, "the model's first byte")):
             if value is not None:
                 parts.append(f'{name};dur={value * 1000:.1f};desc="{what}"')
+        if self.restored is not None:
+            parts.append(f'prompt-cache;dur={self.restored.seconds * 1000:.1f};'
+                         f'desc="restored {self.restored.tokens} prompt tokens"')
         return ", ".join(parts)
 
     def read_usage(self, body: bytes) -> None:
@@ -113,6 +118,9 @@ class RequestRecord:
                 prompt = _int(timings.get("prompt_n"))
                 cached = _int(timings.get("cache_n")) or 0
                 self.prompt_tokens = prompt + cached if prompt is not None else None
+            per_token = timings.get("prompt_per_token_ms")
+            if isinstance(per_token, (int, float)) and per_token > 0:
+                self.prompt_ms_per_token = float(per_token)
             speed = timings.get("predicted_per_second")
             if isinstance(speed, (int, float)) and speed > 0:
                 self.tokens_per_s = float(speed)
@@ -139,6 +147,7 @@ class RequestRecord:
             "total_ms": ms(self.duration_s),
             "tokens_in": self.prompt_tokens, "tokens_out": self.completion_tokens,
             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
+            "prompt_cache_tokens": self.restored.tokens if self.restored else None,
         }
 
 

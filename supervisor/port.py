@@ -52,6 +52,21 @@ class Broken:
     detail: str | None  # the child's own words (may quote its log): for the daemon log only
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Restored:
+    """A saved slot restored into this request's slot before it was sent (the prompt cache)."""
+
+    tokens: int  # prompt tokens the child had no need to prefill again
+    seconds: float  # the restore's cost (tokenizing the request included)
+
+
+class PromptSlots(Protocol):
+    """A child's slots, as the prompt cache tracks them (supervisor/prompt_cache/)."""
+
+    async def pin(self, lease: Lease, url: str, body: Any) -> Any: ...
+    def unpin(self, lease: Lease) -> None: ...
+
+
 class LeaseOwner(Protocol):
     """What a lease calls back into (the instance that handed it out)."""
 
@@ -64,12 +79,14 @@ class Lease:
     """The right to send one request to one ready child; `release()` exactly once (more calls
     do nothing). A value for the proxy: where to send, with which headers and deadlines."""
 
-    __slots__ = ("_owner", "_released", "_slots", "base_url", "first_byte_timeout", "headers",
-                 "idle_timeout", "instance", "model", "pid", "ready_since")
+    __slots__ = ("_owner", "_prompt_slots", "_released", "_slots", "base_url",
+                 "first_byte_timeout", "headers", "idle_timeout", "instance", "model", "pid",
+                 "ready_since", "restored", "slot")
 
     def __init__(self, owner: LeaseOwner, *, model: str, instance: str, pid: int | None,
                  base_url: str, headers: Mapping[str, str], first_byte_timeout: float | None,
-                 idle_timeout: float | None, ready_since: float, slots: Any = None):
+                 idle_timeout: float | None, ready_since: float, slots: Any = None,
+                 prompt_slots: PromptSlots | None = None):
         self._owner = owner
         self._released = False
         self._slots = slots  # the slot set it came from (a reload may give the next child new)
@@ -81,10 +98,24 @@ class Lease:
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
         self.ready_since = ready_since  # wall clock: when the child became ready
+        self._prompt_slots = prompt_slots
+        self.slot: int | None = None  # the child's slot the request was pinned to (id_slot)
+        self.restored: Restored | None = None
+
+    async def pin(self, url: str, body: Any) -> Any:
+        """Before the request goes to the child's `url` (at most once): with the prompt cache
+        on, the body (bytes or a dict) pinned to a slot (`id_slot`), and a saved prefix
+        restored into that slot when it is empty and one matches (`restored`). Otherwise the
+        body as is."""
+        if self._prompt_slots is None or self.slot is not None:
+            return body
+        return await self._prompt_slots.pin(self, url, body)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self._prompt_slots is not None:
+                self._prompt_slots.unpin(self)
             self._owner._give_back(self)
 
     def child_alive(self) -> bool:
@@ -138,6 +169,7 @@ class Supervisor(Protocol):
     def child_logs(self, key: str, lines: int) -> dict[str, Any]: ...
     def inventory(self, name: str) -> dict[str, Any] | None: ...
     def memory_status(self) -> dict[str, Any]: ...
+    def prompt_cache_status(self) -> dict[str, Any]: ...
     def config_status(self) -> dict[str, Any]: ...
     async def gguf_info(self, name: str) -> dict[str, Any]: ...
 
@@ -150,5 +182,5 @@ class Supervisor(Protocol):
     def reload(self, trigger: str) -> asyncio.Task[ReloadAttempt]: ...
 
 
-__all__ = ["Broken", "Lease", "LeaseOwner", "ModelStatus", "Reservation", "State",
-           "Supervisor"]
+__all__ = ["Broken", "Lease", "LeaseOwner", "ModelStatus", "PromptSlots", "Reservation",
+           "Restored", "State", "Supervisor"]

@@ -43,6 +43,8 @@ class LlamaServer:
             argv += ["--mmproj", str(spec.mmproj)]
         if spec.embeddings:
             argv += ["--embeddings"]
+        if spec.slot_save_path is not None:  # the prompt cache: /slots save and restore
+            argv += ["--slot-save-path", str(spec.slot_save_path)]
         if spec.rpc_servers:  # deployed over RPC workers: layers per worker, in their order
             argv += ["--rpc", ",".join(spec.rpc_servers),
                      "--tensor-split", ",".join(str(n) for n in spec.tensor_split)]

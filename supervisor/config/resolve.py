@@ -112,6 +112,8 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             start_backoff_max=_inherit(m.start_backoff_max, d.start_backoff_max),
             embeddings=m.embeddings,
             loading_progress=_inherit(m.loading_progress, d.loading_progress),
+            prompt_cache=config.prompt_cache.enabled and m.backend == "llama-server"
+            and _inherit(m.prompt_cache, d.prompt_cache),
             capabilities=tuple(m.capabilities) if m.capabilities is not None else
             _capabilities(m),
             request=m.request or d.request,

@@ -54,6 +54,9 @@ class ModelSpec:
     start_backoff_max: float = _DEFAULTS.start_backoff_max
     embeddings: bool = False
     loading_progress: bool = False
+    prompt_cache: bool = False  # llama-server: slots saved at a stop, restored on demand
+    # Where llama-server saves and restores slots (--slot-save-path); set at a start.
+    slot_save_path: Path | None = None
     capabilities: tuple[str, ...] = ("chat", "completion")
     request: RequestFilters | None = None  # applied by the proxy to every request's body
     mmproj: Path | None = None

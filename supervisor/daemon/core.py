@@ -34,6 +34,7 @@ from corral.supervisor.errors import SupervisorError, UnknownModel
 from corral.supervisor.events import EventBus
 from corral.supervisor.instance import LOADED_STATES, Changed, Instance, State
 from corral.supervisor.memory.tracker import MemoryTracker
+from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.pull import Puller
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import RpcDeployer
@@ -67,6 +68,12 @@ class Daemon:
                               self._device_free) if loaded.config.worker.enabled else None
         self._changed = Changed()
         self._registry = ChildRegistry(state_file)
+        # llama-server slots saved at each stop, restored on demand. Its dir is read once,
+        # like state_dir; its other settings at each use.
+        cache_dir = loaded.config.prompt_cache.dir
+        self.prompt_cache = PromptCache(
+            Path(cache_dir).expanduser() if cache_dir else state_file.parent / "prompt-cache",
+            lambda: self.loaded.config.prompt_cache, self.events)
         self._closing = False
         # Every background task the daemon starts: kept referenced, cancelled at close.
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -97,7 +104,8 @@ class Daemon:
 
     def _new_instance(self, spec: ModelSpec, backend: Backend, replica: int = 1) -> Instance:
         return Instance(spec, backend, self._changed.fire, replica=replica,
-                        keeper=self._keeper, deployer=self.deployer, events=self.events)
+                        keeper=self._keeper, deployer=self.deployer, events=self.events,
+                        prompt_cache=self.prompt_cache)
 
     def _new_set(self, spec: ModelSpec, backend: Backend) -> ReplicaSet:
         return ReplicaSet(self._new_instance(spec, backend), self._new_instance)
@@ -197,6 +205,10 @@ class Daemon:
             if rs.primary.pinned:
                 self._spawn_task(self._preload(rs.primary))
         log.info("daemon.started", models=sorted(self.models))
+
+    def prompt_cache_status(self) -> dict[str, Any]:
+        """The read model of GET /admin/prompt-cache."""
+        return self.prompt_cache.status()
 
     async def _preload(self, inst: Instance) -> None:
         inst.intent.preloading = True

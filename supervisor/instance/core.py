@@ -33,6 +33,8 @@ from corral.supervisor.instance.state import (
 )
 from corral.supervisor.port import Broken, Lease, State
 from corral.supervisor.process import ChildProcess
+from corral.supervisor.prompt_cache import PromptCache
+from corral.supervisor.prompt_cache.slots import Slots
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
 
@@ -40,8 +42,12 @@ from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
 class Instance:
     def __init__(self, spec: ModelSpec, backend: Backend, on_change: Callable[[], None],
                  replica: int = 1, keeper: GroupKeeper | None = None,
-                 deployer: RpcDeployer | None = None, events: EventBus | None = None):
+                 deployer: RpcDeployer | None = None, events: EventBus | None = None,
+                 prompt_cache: PromptCache | None = None):
         self.spec = spec
+        self._prompt_cache = prompt_cache
+        # The current child's slots as the prompt cache tracks them (None: cache off for it).
+        self.prompt_slots: Slots | None = None
         self._events = events or EventBus()
         self._keeper = keeper
         self._deployer = deployer  # for models split over RPC workers
@@ -235,7 +241,8 @@ class Instance:
         return Lease(self, model=self.model, instance=self.name, pid=self.pid,
                      base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
                      first_byte_timeout=spec.first_byte_timeout,
-                     idle_timeout=spec.idle_timeout, ready_since=self.since, slots=slots)
+                     idle_timeout=spec.idle_timeout, ready_since=self.since, slots=slots,
+                     prompt_slots=self.prompt_slots)
 
     def _give_back(self, lease: Lease) -> None:
         self.in_flight -= 1
@@ -362,6 +369,13 @@ class Instance:
             self._cancel_watchdog()
             # No start can have begun since this stop did: this is the child it was for.
             process = self.process
+            slots, self.prompt_slots = self.prompt_slots, None
+            # Not from a child that stopped answering (its slots would cost the whole
+            # save_timeout, and the stop waits on them).
+            if slots is not None and process is not None and process.alive() \
+                    and not self._marked_dead and self.health.failures == 0 \
+                    and self._unresponsive_pid != process.pid:
+                await slots.save_all()  # bounded by save_timeout; never raises
             if process is not None:
                 await process.stop(self.spec.stop_grace)
                 if process.alive():

@@ -63,7 +63,11 @@ def begin_start(self: Instance, session: aiohttp.ClientSession,
             cache_type_v=kv_cache[1] or self.spec.cache_type_v)
     if tune is not None:
         started_with = tune(started_with)
+    if started_with.prompt_cache and self._prompt_cache is not None:
+        started_with = dataclasses.replace(started_with,
+                                           slot_save_path=self._prompt_cache.store.dir)
     self.started_with = started_with
+    self.prompt_slots = None
     restart = self.state is State.FAILED
     if restart:
         self.restarts += 1
@@ -124,6 +128,11 @@ async def _start(self: Instance, session: aiohttp.ClientSession,
     self.start_failures = 0
     self._retry_at = None
     self.health = Health()
+    cache, spec = self._prompt_cache, self.started_with
+    if cache is not None and spec.slot_save_path is not None:
+        self.prompt_slots = cache.slots(
+            model=self.model, instance=self.name, spec=spec, binary=process.argv[0],
+            base_url=f"http://127.0.0.1:{self.port}", headers=self._headers, session=session)
     self._swap(State.STARTING, State.READY)
     self._watch(session, process)
 

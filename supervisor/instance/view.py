@@ -61,4 +61,15 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         "retry_at": time.time() + backoff if backoff > 0 else None,
         "health": self.health.as_dict(),
         "stop_pending": self.stop_pending,
+        "prompt_cache": _prompt_cache(self),
     }
+
+
+def _prompt_cache(self: Instance) -> dict[str, Any] | None:
+    """Its saved slots (files, bytes) and the slots of its child that hold a conversation."""
+    cache = self._prompt_cache
+    if cache is None or not self.spec.prompt_cache:
+        return None
+    mine = cache.store.of_model(self.model)
+    slots = self.prompt_slots
+    return {**mine, "slots_in_use": sum(r is not None for r in slots.records) if slots else 0}

@@ -13,11 +13,12 @@ from corral.supervisor.config.schema.models import (
     ReplicasConfig,
 )
 from corral.supervisor.config.schema.policy import PolicyConfig
+from corral.supervisor.config.schema.prompt_cache import PromptCacheConfig
 from corral.supervisor.config.schema.request import RequestFilters
 from corral.supervisor.config.schema.root import Config, split_listen
 from corral.supervisor.config.schema.rpc import PeerConfig, RpcConfig, WorkerConfig
 
 __all__ = ["BackendKind", "Capability", "Config", "Defaults", "Fallback", "GroupConfig",
            "GroupType", "KvCacheConfig", "MemoryConfig", "ModelConfig", "PeerConfig",
-           "PolicyConfig", "ReplicasConfig", "RequestFilters", "RpcConfig", "Selector",
-           "WorkerConfig", "ladder_step", "split_listen"]
+           "PolicyConfig", "PromptCacheConfig", "ReplicasConfig", "RequestFilters", "RpcConfig",
+           "Selector", "WorkerConfig", "ladder_step", "split_listen"]

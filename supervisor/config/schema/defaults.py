@@ -44,3 +44,6 @@ class Defaults(BaseModel):
         False, description="a streamed chat request that waits for a cold model gets the load's "
         "progress first, as reasoning_content (what Open WebUI shows as thinking); a request "
         "asks for it itself with the header X-Corral-Progress: 1")
+    prompt_cache: bool = Field(
+        True, description="llama-server children: save slots at a stop and restore them "
+        "(prompt_cache: section); false opts out")

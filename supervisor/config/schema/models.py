@@ -80,6 +80,8 @@ class ModelConfig(BaseModel):
     start_backoff_max: float | None = Field(None, ge=0)
     embeddings: bool = False
     loading_progress: bool | None = None
+    prompt_cache: bool | None = Field(
+        None, description="false: this model's slots are never saved or restored")
     capabilities: list[Capability] | None = Field(
         None, description="what it answers: chat, completion, embeddings, rerank, vision "
         "(default: from the model's settings: embeddings: true → embeddings (+ rerank with "

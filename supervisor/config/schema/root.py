@@ -11,6 +11,7 @@ from corral.supervisor.config.schema.groups import GroupConfig
 from corral.supervisor.config.schema.memory import MemoryConfig
 from corral.supervisor.config.schema.models import ModelConfig
 from corral.supervisor.config.schema.policy import PolicyConfig
+from corral.supervisor.config.schema.prompt_cache import PromptCacheConfig
 from corral.supervisor.config.schema.rpc import PeerConfig, WorkerConfig
 
 __all__ = ["Config", "split_listen"]
@@ -39,6 +40,7 @@ class Config(BaseModel):
     defaults: Defaults = Defaults()
     policy: PolicyConfig = PolicyConfig()
     memory: MemoryConfig = MemoryConfig()
+    prompt_cache: PromptCacheConfig = PromptCacheConfig()
     models: dict[str, ModelConfig] = {}
     groups: dict[str, GroupConfig] = {}
     peers: dict[str, PeerConfig] = Field(

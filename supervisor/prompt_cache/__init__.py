@@ -1,0 +1,97 @@
+"""The prompt cache: a llama-server child's slots saved to disk (`/slots/N?action=save`) when it
+stops, and restored into an empty slot (`action=restore`) when a request continues one of
+those conversations, so the next turn after a swap, an eviction or a corral restart does not
+prefill the whole conversation again.
+
+`PromptCache` (one per daemon) holds the store (store.py) and what makes a KV cache
+compatible (`cache_key`); each running child gets a `Slots` (slots.py), which pins requests to
+slots and saves and restores them."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from corral.supervisor.config.schema import PromptCacheConfig
+from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.events import EventBus
+from corral.supervisor.prompt_cache.store import Entry, Store
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from corral.supervisor.prompt_cache.slots import Slots
+
+__all__ = ["PromptCache", "Store"]
+
+log = structlog.get_logger("corral.prompt_cache")
+
+
+class PromptCache:
+    def __init__(self, folder: Path, settings: Callable[[], PromptCacheConfig],
+                 events: EventBus):
+        self.settings = settings  # read at each use: a reload may change them
+        self.events = events
+        self.store = Store(folder, lambda: int(self.settings().max_mb * (1 << 20)),
+                           self._dropped)
+        self._builds: dict[tuple[str, int, int], str] = {}
+
+    def _dropped(self, entry: Entry, reason: str) -> None:
+        self.events.publish("prompt_cache_dropped", model=entry.model, file=entry.file,
+                            bytes=entry.bytes, reason=reason)
+
+    async def build(self, binary: str) -> str:
+        """The binary's identity: `--version` (its build number and commit) with its path, size
+        and mtime (a local build says "build 0, commit unknown"). Read once per file."""
+        st = os.stat(binary)
+        known = (binary, st.st_size, st.st_mtime_ns)
+        if known not in self._builds:
+            proc = await asyncio.create_subprocess_exec(
+                binary, "--version", stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
+            try:
+                async with asyncio.timeout(10):
+                    out, _ = await proc.communicate()
+            except BaseException:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                raise
+            version = next((line for line in out.decode(errors="replace").splitlines()
+                            if line.startswith("version")), "")
+            self._builds[known] = f"{version}|{binary}|{st.st_size}|{st.st_mtime_ns}"
+        return self._builds[known]
+
+    async def cache_key(self, spec: ModelSpec, binary: str) -> str:
+        """What a saved KV cache is only valid for: the model file (path, size, mtime), the
+        context per slot, the cache types, the user's extra flags (flash attention, rope, ...
+        change the layout) and the llama-server build. Any difference: never restored."""
+        files = []
+        for path in (spec.model_path, spec.mmproj):
+            if path is not None:
+                st = os.stat(path)
+                files.append((str(path), st.st_size, st.st_mtime_ns))
+        parts = {"files": files, "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
+                 "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
+                 "args": list(spec.args), "rpc": list(spec.rpc_servers),
+                 "build": await self.build(binary)}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+    def slots(self, *, model: str, instance: str, spec: ModelSpec, binary: str, base_url: str,
+              headers: dict[str, str], session: aiohttp.ClientSession) -> Slots:
+        from corral.supervisor.prompt_cache.slots import Slots
+
+        return Slots(self, model=model, instance=instance, spec=spec, binary=binary,
+                     base_url=base_url, headers=headers, session=session)
+
+    def status(self) -> dict[str, object]:
+        settings = self.settings()
+        return {"enabled": settings.enabled, "min_tokens": settings.min_tokens,
+                **self.store.status()}

@@ -1,0 +1,242 @@
+"""The files of the prompt cache and their index: which prefix each file holds, for which
+KV-compatible setup (the key), how big, when last used. The index is a JSON file beside the
+files, written whole (temporary file, then rename) at every change, so it survives a corral
+restart and a crash leaves either the old index or the new one.
+
+A file is trusted only when its size and fingerprint (hash of its head and tail) are what the
+index says: llama-server aborts (SIGABRT, the child dies) when it restores a truncated file,
+so a file that changed on disk is deleted, never handed to a child."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("corral.prompt_cache")
+
+INDEX = "index.json"
+SUFFIX = ".slot"
+_VERSION = 1
+# The head holds the file's header and token list (4 bytes a token): 1 MiB covers 256k tokens.
+_HEAD, _TAIL = 1 << 20, 64 << 10
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    file: str  # the name inside the cache dir (llama-server takes names, not paths)
+    key: str  # the KV-compatible setup it was saved under (identity.cache_key)
+    model: str
+    tokens: list[int]  # the prompt the slot held, as the child tokenized it
+    n_tokens: int  # what the file holds (prompt and generated tokens)
+    bytes: int
+    fingerprint: str
+    saved_at: float
+    last_used: float
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fingerprint(path: Path) -> tuple[int, str]:
+    """(size, hash of head and tail): cheap (1 MiB read) and enough to see a truncated or
+    overwritten file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(f.read(_HEAD))
+        if size > _HEAD:
+            f.seek(max(_HEAD, size - _TAIL))
+            digest.update(f.read(_TAIL))
+    return size, digest.hexdigest()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclasses.dataclass(slots=True)
+class Counters:
+    saves: int = 0
+    saved_bytes: int = 0
+    restores: int = 0
+    restored_tokens: int = 0
+    misses: int = 0
+    dropped: int = 0
+
+
+class Store:
+    """The directory and its index. Every method is synchronous (no await inside), so two
+    instances saving at once cannot interleave their changes."""
+
+    def __init__(self, folder: Path, max_bytes: Callable[[], int],
+                 on_drop: Callable[[Entry, str], None] | None = None):
+        self.dir = folder
+        self._max_bytes = max_bytes  # read at each save: a reload may change the budget
+        self._on_drop = on_drop
+        self.entries: dict[str, Entry] = {}
+        self.counters = Counters()
+        # Bytes per token of the last file saved for each setup: a save that could not fit
+        # the budget (or the disk) is not written at all.
+        self._per_token: dict[str, float] = {}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._load()
+
+    # -- the index -----------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Read the index; drop what does not check out (missing, truncated, changed), and
+        delete files the index does not name (a save whose index write never happened)."""
+        raw: list[dict[str, Any]] = []
+        try:
+            data = json.loads((self.dir / INDEX).read_text())
+            if isinstance(data, dict) and data.get("version") == _VERSION:
+                raw = [e for e in data.get("entries", []) if isinstance(e, dict)]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("prompt_cache.index_unreadable", dir=str(self.dir), error=str(exc))
+        fields = {f.name for f in dataclasses.fields(Entry)}
+        for item in raw:
+            try:
+                entry = Entry(**{k: item[k] for k in fields})
+            except (KeyError, TypeError):
+                continue
+            if os.path.basename(entry.file) != entry.file or not entry.file.endswith(SUFFIX):
+                continue
+            problem = self.check(entry)
+            if problem is not None:
+                self.drop(entry, problem)
+                continue
+            self.entries[entry.file] = entry
+            self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
+        for path in self.dir.glob(f"*{SUFFIX}"):
+            if path.name not in self.entries:
+                log.info("prompt_cache.orphan_deleted", file=path.name)
+                path.unlink(missing_ok=True)
+        self._fit_budget()  # a lowered budget applies at once
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.dir / f".{INDEX}.tmp"
+        tmp.write_text(json.dumps({"version": _VERSION,
+                                   "entries": [e.as_json() for e in self.entries.values()]}))
+        os.replace(tmp, self.dir / INDEX)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def check(self, entry: Entry) -> str | None:
+        """None when the file is the one the index describes, else why not."""
+        try:
+            size, digest = fingerprint(self.dir / entry.file)
+        except OSError as exc:
+            return f"unreadable: {exc.strerror or exc}"
+        if size != entry.bytes:
+            return f"size {size} bytes, saved as {entry.bytes} (truncated or overwritten)"
+        if digest != entry.fingerprint:
+            return "contents changed since it was saved"
+        return None
+
+    def drop(self, entry: Entry, reason: str) -> None:
+        """Forget a file and delete it."""
+        self.entries.pop(entry.file, None)
+        (self.dir / entry.file).unlink(missing_ok=True)
+        self.counters.dropped += 1
+        log.info("prompt_cache.dropped", file=entry.file, model=entry.model, reason=reason)
+        if self._on_drop is not None:
+            self._on_drop(entry, reason)
+
+    def add(self, entry: Entry) -> None:
+        """A file llama-server just wrote. Files of the same setup whose prompt is a prefix of
+        this one's are superseded (this one holds all they hold); then the budget."""
+        for old in list(self.entries.values()):
+            if old.key == entry.key and len(old.tokens) <= len(entry.tokens) \
+                    and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
+                self.drop(old, "superseded by a longer save of the same conversation")
+        self.entries[entry.file] = entry
+        self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
+        self.counters.saves += 1
+        self.counters.saved_bytes += entry.bytes
+        self._fit_budget()
+        self._write()
+
+    def _fit_budget(self) -> None:
+        budget = self._max_bytes()
+        by_age = sorted(self.entries.values(), key=lambda e: e.last_used)
+        total = sum(e.bytes for e in by_age)
+        for entry in by_age:
+            if total <= budget:
+                break
+            total -= entry.bytes
+            self.drop(entry, f"disk budget ({budget // (1 << 20)} MiB)")
+
+    def room_for(self, key: str, tokens: int) -> str | None:
+        """None when a file of `tokens` tokens may be written, else why not: larger than the
+        whole budget, or than half the disk's free space (as far as earlier saves of this
+        setup tell its size)."""
+        per_token = self._per_token.get(key)
+        if per_token is None:
+            return None
+        size = per_token * tokens
+        if size > self._max_bytes():
+            return f"about {size / (1 << 20):.0f} MiB, over the whole budget"
+        if size * 2 > shutil.disk_usage(self.dir).free:
+            return f"about {size / (1 << 20):.0f} MiB, over half the free disk space"
+        return None
+
+    def best(self, key: str, tokens: Sequence[int], min_tokens: int) -> tuple[Entry, int] | None:
+        """The file of this setup sharing the longest prefix with `tokens` (at least
+        `min_tokens` of it), and that length."""
+        found: tuple[Entry, int] | None = None
+        for entry in self.entries.values():
+            if entry.key != key:
+                continue
+            shared = common_prefix(entry.tokens, tokens)
+            if shared >= min_tokens and (found is None or shared > found[1]):
+                found = (entry, shared)
+        return found
+
+    def has_key(self, key: str) -> bool:
+        return any(e.key == key for e in self.entries.values())
+
+    def used(self, entry: Entry, tokens: int) -> None:
+        entry.last_used = time.time()
+        self.counters.restores += 1
+        self.counters.restored_tokens += tokens
+        self._write()
+
+    def of_model(self, model: str) -> dict[str, int]:
+        """One model's files and bytes (for its /admin/models entry)."""
+        mine = [e.bytes for e in self.entries.values() if e.model == model]
+        return {"files": len(mine), "bytes": sum(mine)}
+
+    def status(self) -> dict[str, Any]:
+        c = self.counters
+        models: dict[str, dict[str, int]] = {}
+        for e in self.entries.values():
+            m = models.setdefault(e.model, {"files": 0, "bytes": 0})
+            m["files"] += 1
+            m["bytes"] += e.bytes
+        return {
+            "dir": str(self.dir), "files": len(self.entries),
+            "bytes": sum(e.bytes for e in self.entries.values()),
+            "max_bytes": self._max_bytes(), "saves": c.saves, "saved_bytes": c.saved_bytes,
+            "hits": c.restores, "restored_tokens": c.restored_tokens, "misses": c.misses,
+            "dropped": c.dropped, "models": models,
+            "entries": [{"file": e.file, "model": e.model, "tokens": e.n_tokens,
+                         "prompt_tokens": len(e.tokens), "bytes": e.bytes,
+                         "saved_at": e.saved_at, "last_used": e.last_used}
+                        for e in sorted(self.entries.values(), key=lambda e: -e.last_used)],
+        }
