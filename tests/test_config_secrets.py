@@ -9,6 +9,7 @@ secret that is not typed as one fails here, rather than showing in clear."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +150,11 @@ def test_every_field_named_like_a_secret_is_typed_as_one() -> None:
     """The guard for the next one: a token, key, password or plugin options field added to the
     schema as a plain str or dict would show in clear, so it fails here instead."""
     props = _secret_properties(Config.model_json_schema())
+    # Named like a secret: a field that is (or ends in) a token, key, secret, password or
+    # plugin options; not one that counts tokens (prompt_cache.min_tokens).
+    secret_name = re.compile(r"(^|_)(token|keys?|secret|password|options)$")
     named = [(name, prop) for name, prop in props
-             if any(word in name.rsplit(".", 1)[1].lower()
-                    for word in ("token", "key", "secret", "password", "options"))
-             or name.endswith(".env")]
+             if secret_name.search(name.rsplit(".", 1)[1].lower()) or name.endswith(".env")]
     assert {name for name, _ in named} >= {
         "Config.api_keys", "Config.admin_api_keys", "PeerConfig.token", "WorkerConfig.token",
         "PolicyConfig.options", "MemoryConfig.gpu_reader_options", "ModelConfig.env"}
