@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config.schema.base import STRICT
@@ -43,7 +43,12 @@ class ReplicasConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    model_config = STRICT
+    # `model` is optional only for command and remote models (checks/backends.py says so to
+    # `corral check`); the JSON Schema says it to editors.
+    model_config = ConfigDict(**STRICT, json_schema_extra={
+        "if": {"required": ["backend"],
+               "properties": {"backend": {"enum": ["command", "remote"]}}},
+        "else": {"required": ["model"]}})
 
     backend: BackendKind = Field(
         "llama-server", description="llama-server (GGUF files), vllm (safetensors checkpoints "
