@@ -175,3 +175,24 @@ def test_check_validates_command_and_remote_models(tmp_path: Path) -> None:
     assert "binary is not a setting of backend: remote" in out, out
     assert "a remote model needs `url`" in out, out
     assert "url is a command/remote setting" in out, out
+
+
+def test_served_name_is_renamed_in_events_split_across_chunks() -> None:
+    """The relay's chunks cut events anywhere: an event split mid-name is renamed whole, and
+    every other byte passes as it came."""
+    from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
+
+    stream = (b'data: {"id":"x","model":"far-served","choices":[]}\n\n'
+              b'data: {"id":"y","model":"far-served",'
+              b'"choices":[{"delta":{"content":"far-served"}}]}\n\n'
+              b": keep-alive\n\ndata: [DONE]\n\n")
+    for cut in range(1, len(stream)):
+        renamer = StreamRenamer("far-served", "far")
+        out = renamer.feed(stream[:cut]) + renamer.feed(stream[cut:]) + renamer.flush()
+        assert out.count(b'"model":"far"') == 2 and b'"content":"far-served"' in out, out
+        assert out.endswith(b": keep-alive\n\ndata: [DONE]\n\n")
+    assert rename_answer(b'{"model": "far-served", "x": 1}', "far-served", "far") == \
+        b'{"model":"far","x":1}'
+    assert rename_answer(b'{"model":"other"}', "far-served", "far") == b'{"model":"other"}'
+    assert rename_request(b'{"model":"far","messages":[]}', "far-served") == \
+        b'{"model":"far-served","messages":[]}'
