@@ -79,6 +79,7 @@ def remote_config(remote: RemoteServer, tiny_models: dict[str, Path]) -> dict[st
                     "api_key": KEY, "served_name": "far-served", "parallel": 2},
         },
         "groups": {"council": {"models": ["tiny-a", "near-cmd", "far"], "type": "parallel",
+                               "fallback": "partial", "required_responses": 2,
                                "expose_as_model": True}},
     }
 
@@ -131,18 +132,28 @@ def test_a_down_remote_is_a_clean_5xx_fast_and_serves_again_once_back(
         served.client(timeout=30).chat.completions.create(
             model="far", messages=HI, max_tokens=1)
     assert failed.value.status_code in (502, 503, 504)
+    # A group's fallback takes the down remote as a failed member: the others answer.
+    council = council_answer(served)
+    assert {m["model"]: m["status"] for m in council["responses"]} == {
+        "tiny-a": "ok", "near-cmd": "ok", "far": "error"}, council
+    assert council["complete"], council
     remote.start()
     assert served.chat("far", max_tokens=1).status_code == 200
     listed = {m["id"]: m for m in served.http.get("/v1/models").json()["data"]}
     assert listed["far"]["answering"] is True
 
 
-def test_a_council_of_native_command_and_remote_members_answers_3_of_3(
-        served: Corral) -> None:
+def council_answer(served: Corral) -> dict[str, Any]:
     answer = served.http.post("/v1/chat/completions", json={
         "model": "council", "messages": HI, "max_tokens": 2}, timeout=120)
     assert answer.status_code == 200, answer.text
-    members = answer.json()["corral_group"]["responses"]
+    group: dict[str, Any] = answer.json()["corral_group"]
+    return group
+
+
+def test_a_council_of_native_command_and_remote_members_answers_3_of_3(
+        served: Corral) -> None:
+    members = council_answer(served)["responses"]
     answered = {m["model"] for m in members if m["status"] == "ok"}
     assert answered == {"tiny-a", "near-cmd", "far"}, members
 
