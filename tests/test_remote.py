@@ -77,6 +77,8 @@ def remote_config(remote: RemoteServer, tiny_models: dict[str, Path]) -> dict[st
                                      "--threads", "1"]},
             "far": {"backend": "remote", "url": f"http://127.0.0.1:{remote.port}/v1",
                     "api_key": KEY, "served_name": "far-served", "parallel": 2},
+            "far-wrong-key": {"backend": "remote", "url": f"http://127.0.0.1:{remote.port}",
+                              "api_key": "not-the-key"},
         },
         "groups": {"council": {"models": ["tiny-a", "near-cmd", "far"], "type": "parallel",
                                "fallback": "partial", "required_responses": 2,
@@ -106,6 +108,12 @@ def test_whole_and_streamed_answers_come_back_under_corrals_name(served: Corral)
     # No process, no memory: nothing counted for it.
     by = {m["name"]: m for m in served.http.get("/admin/memory").json()["models"]}
     assert not (by.get("far") or {}).get("estimate_mib"), by.get("far")
+
+
+def test_a_remote_that_refuses_the_key_is_a_502_not_the_clients_401(served: Corral) -> None:
+    answer = served.chat("far-wrong-key", max_tokens=1)
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["code"] == "upstream_auth", answer.json()
 
 
 def test_the_key_never_shows(served: Corral) -> None:
