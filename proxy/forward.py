@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from corral.proxy import client_io
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
 from corral.proxy.sse import DONE, error_event, sse_headers
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.port import Lease
@@ -68,6 +69,8 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
         field = "data" if "data" in request else "json"
         if field in request:
             request[field] = await lease.pin(url, request[field])
+            if lease.served_name is not None:
+                request[field] = rename_request(request[field], lease.served_name)
     for attempt in (1, 2, 3):
         try:
             response = await session.post(url, **request)
@@ -133,6 +136,9 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
     upstream = await open_upstream(session, url, model, lease, data=body, headers={
         "Content-Type": "application/json",
         "Accept": request.headers.get("Accept", "*/*"),
+        # Bytes corral can read (a served_name is renamed in them): a remote endpoint
+        # may compress otherwise, and the relay does not decompress.
+        "Accept-Encoding": "identity",
     })
     if record is not None:
         record.head()
@@ -148,6 +154,8 @@ async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
             if record is not None:
                 record.first_bytes()
                 record.read_usage(payload)
+            if lease is not None and lease.served_name is not None:
+                payload = rename_answer(payload, lease.served_name, lease.model)
             if started is not None:
                 response = await _end_with_answer(started, upstream.status, payload, model)
             else:
@@ -192,6 +200,8 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
         await out.prepare()
     tail = record.tail if record is not None else None
     chunks = upstream.content.iter_any().__aiter__()
+    renamer = StreamRenamer(lease.served_name, lease.model) \
+        if lease is not None and lease.served_name is not None else None
     try:
         while True:
             # Only the read from the child is the child's fault; a failed write to the client
@@ -200,6 +210,10 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
+                if renamer is not None:
+                    rest = renamer.flush()
+                    if rest:
+                        await out.write(rest)
                 break
             except UPSTREAM_BROKE as exc:
                 failure = _broken(model, exc, "mid-stream")
@@ -217,6 +231,10 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                 if not tail and record is not None:
                     record.first_bytes()
                 tail.append(chunk)  # the last few only: the usage is in the last event
+            if renamer is not None:
+                chunk = renamer.feed(chunk)
+                if not chunk:
+                    continue
             await out.write(chunk)
         await out.finish()
     finally:
@@ -231,7 +249,8 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                     model: str, lease: Lease | None = None) -> dict[str, Any]:
     """A whole (non-streamed) JSON answer from a child, for callers that need its content."""
-    resp = await open_upstream(session, url, model, lease, json=payload)
+    resp = await open_upstream(session, url, model, lease, json=payload,
+                               headers={"Accept-Encoding": "identity"})
     try:
         data = await resp.json(content_type=None)
     except BaseException as exc:
@@ -248,4 +267,7 @@ async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str,
         raise UpstreamRejected(f"{model} answered HTTP {resp.status}: {message}")
     if not isinstance(data, dict):
         raise UpstreamFailed(f"{model} answered with non-object JSON")
+    if lease is not None and lease.served_name is not None \
+            and data.get("model") == lease.served_name:
+        data["model"] = lease.model
     return data

@@ -43,6 +43,8 @@ def model_entry(daemon: Supervisor, model: ModelStatus) -> dict[str, Any]:
         "capabilities": list(model.spec.capabilities),
         "backend": model.spec.backend,
     }
+    if model.answering is not None:  # a remote: did its last request succeed
+        entry["answering"] = model.answering
     # The GGUF file's facts (architecture, parameters, quantization, native context), read
     # once per file by the daemon: absent for a moment after a start or reload.
     meta = daemon.inventory(model.name)

@@ -42,6 +42,8 @@ class ModelStatus:
     spec: ModelSpec
     state: State
     since: float  # wall clock of the first replica's last state change
+    # A remote's last request: True answered, False failed, None none yet (or not a remote).
+    answering: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,12 +83,12 @@ class Lease:
 
     __slots__ = ("_owner", "_prompt_slots", "_released", "_slots", "base_url",
                  "first_byte_timeout", "headers", "idle_timeout", "instance", "model", "pid",
-                 "ready_since", "restored", "slot")
+                 "ready_since", "restored", "served_name", "slot")
 
     def __init__(self, owner: LeaseOwner, *, model: str, instance: str, pid: int | None,
                  base_url: str, headers: Mapping[str, str], first_byte_timeout: float | None,
                  idle_timeout: float | None, ready_since: float, slots: Any = None,
-                 prompt_slots: PromptSlots | None = None):
+                 prompt_slots: PromptSlots | None = None, served_name: str | None = None):
         self._owner = owner
         self._released = False
         self._slots = slots  # the slot set it came from (a reload may give the next child new)
@@ -98,6 +100,9 @@ class Lease:
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
         self.ready_since = ready_since  # wall clock: when the child became ready
+        # What the server behind it calls the model (None: the model's own name): requests
+        # carry it in `model`, answers get the model's name back.
+        self.served_name = served_name
         self._prompt_slots = prompt_slots
         self.slot: int | None = None  # the child's slot the request was pinned to (id_slot)
         self.restored: Restored | None = None

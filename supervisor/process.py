@@ -62,6 +62,19 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float)
         return f"{type(exc).__name__}: {exc}"
 
 
+async def port_open(port: int, timeout: float) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port` (a server with no health
+    path: listening is all it says)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await asyncio.wait_for(writer.wait_closed(), timeout)
+    return True
+
+
 async def probe_lists_model(session: aiohttp.ClientSession, url: str, name: str,
                             headers: Mapping[str, str], timeout: float) -> bool:
     """Whether the OpenAI model list at `url` names `name` (vLLM answers /health before its
@@ -114,8 +127,10 @@ class ChildProcess:
     """A spawned native server. Knows nothing about models beyond a name for its logs."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str],
-                 log_lines: int = 400, keeper: GroupKeeper | None = None):
+                 log_lines: int = 400, keeper: GroupKeeper | None = None,
+                 stop_signal: signal.Signals = signal.SIGTERM):
         self.name = name
+        self.stop_signal = stop_signal  # what asks it to stop (a command child may want SIGINT)
         self._keeper = keeper
         self.argv = list(argv)
         self.env = dict(env)
@@ -242,14 +257,15 @@ class ChildProcess:
                            code, tail)
 
     async def stop(self, grace: float) -> int | None:
-        """SIGTERM the group, wait up to `grace`, then SIGKILL the group. Returns the exit code."""
+        """Signal the group (SIGTERM unless told otherwise), wait up to `grace`, then SIGKILL the
+        group. Returns the exit code."""
         if not self._proc:
             return None
         if self._proc.returncode is not None:
             # Reaped earlier (and its group swept then): its pid may belong to someone else now.
             return self._proc.returncode
         self._log.info("child.stopping", grace=grace)
-        self._signal_group(signal.SIGTERM)
+        self._signal_group(self.stop_signal)
         try:
             await asyncio.wait_for(self._proc.wait(), grace)
         except TimeoutError:

@@ -157,7 +157,8 @@ def test_every_field_named_like_a_secret_is_typed_as_one() -> None:
              if secret_name.search(name.rsplit(".", 1)[1].lower()) or name.endswith(".env")]
     assert {name for name, _ in named} >= {
         "Config.api_keys", "Config.admin_api_keys", "PeerConfig.token", "WorkerConfig.token",
-        "PolicyConfig.options", "MemoryConfig.gpu_reader_options", "ModelConfig.env"}
+        "PolicyConfig.options", "MemoryConfig.gpu_reader_options", "ModelConfig.env",
+        "ModelConfig.api_key"}
     assert [name for name, prop in named if not _is_secret(prop)] == []
     assert SecretOptions({"a": 1}) == SecretOptions({"a": 1}) != SecretOptions({"a": 2})
     assert SecretStr("x") == SecretStr("x")

@@ -33,7 +33,8 @@ def test_the_presets_are_there() -> None:
     names = {str(p.relative_to(PRESETS)) for p in ALL}
     assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
             "fixed-appliance.yaml", "memory.yaml", "vllm.yaml", "distributed-rpc.yaml",
-            "openwebui.yaml", "contrib/biggest-first.yaml"} <= names
+            "openwebui.yaml", "contrib/biggest-first.yaml", "transformers.yaml",
+            "remote.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
@@ -87,6 +88,7 @@ def test_the_schema_catches_what_check_catches(
     assert validator.is_valid(good)
     for bad in ({"models": {"m": {"model": "m.gguf", "tll": 5}}},   # unknown key
                 {"models": {"m": {"ttl": 5}}},                      # model is required
+                {"models": {"m": {"backend": "vllm"}}},             # ...by vllm too
                 {"defaults": {"parallel": 0}},                      # below its minimum
                 {"groups": {"g": {"models": ["m"], "type": "vote"}}}):  # not a group type
         assert not validator.is_valid(bad), bad

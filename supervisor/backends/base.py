@@ -15,6 +15,8 @@ __all__ = ["Backend", "BinaryNotFound"]
 
 class Backend(Protocol):
     kind: str
+    # False: nothing to start (a remote endpoint); argv is never asked for.
+    spawns: bool
     health_path: str
     # Ready only once /v1/models lists the model's name too (vLLM answers /health before).
     lists_models: bool

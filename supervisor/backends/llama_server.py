@@ -17,6 +17,7 @@ _BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "iq4_nl": 
 
 class LlamaServer:
     kind = "llama-server"
+    spawns = True
     # 200 once the model is loaded; 503 {"error": "Loading model"} before that.
     health_path = "/health"
     lists_models = False

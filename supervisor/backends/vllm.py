@@ -54,6 +54,7 @@ def vllm_command(spec: ModelSpec) -> list[str]:
 
 class Vllm:
     kind = "vllm"
+    spawns = True
     # /health answers 200 once the engine is up; /v1/models must list the served name too.
     health_path = "/health"
     lists_models = True

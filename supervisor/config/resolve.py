@@ -68,14 +68,19 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
         # A model that sets its own cache types runs them: the defaults' ladder is for the
         # models that say nothing about their KV cache.
         vllm = m.backend == "vllm"
+        # command and remote servers own their model: corral knows no file of theirs.
+        foreign = m.backend in ("command", "remote")
         own_types = m.cache_type_k is not None or m.cache_type_v is not None \
             or m.kv_cache_dtype is not None
         # The defaults' ladder holds llama.cpp's types: vLLM models take their own or none.
-        kv = m.kv_cache or (None if own_types or vllm else d.kv_cache)
-        model_path = _absolute(m.model, base_of(("models", name, "model")))
+        kv = m.kv_cache or (None if own_types or vllm or foreign else d.kv_cache)
+        # No `model` (command, remote; the checks refuse it missing elsewhere): a path with
+        # no size and no facts, so memory and file views find nothing to read.
+        model_path = _absolute(m.model, base_of(("models", name, "model"))) if m.model \
+            else Path(os.devnull)
         # vLLM takes a folder or a Hugging Face id (org/name): an id is what names no path.
-        model_id = m.model if vllm and _looks_like_hf_id(m.model) and not model_path.exists() \
-            else None
+        model_id = m.model if vllm and m.model and _looks_like_hf_id(m.model) \
+            and not model_path.exists() else None
         kv_dtype = (m.kv_cache_dtype,) * 2 if vllm else (m.cache_type_k, m.cache_type_v)
         start_timeout = m.start_timeout or (
             VLLM_START_TIMEOUT if vllm and "start_timeout" not in d.model_fields_set
@@ -87,7 +92,8 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             backend=m.backend,
             model_path=model_path,
             aliases=tuple(m.aliases),
-            ttl=_inherit(m.ttl, d.ttl),
+            # A remote holds nothing here: it stays "up" unless a ttl of its own says otherwise.
+            ttl=_inherit(m.ttl, 0 if m.backend == "remote" else d.ttl),
             ctx=_inherit(m.ctx, d.ctx),
             parallel=_inherit(m.parallel, d.parallel),
             n_gpu_layers=_inherit(m.n_gpu_layers, d.n_gpu_layers),
@@ -131,6 +137,12 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             tensor_parallel_size=m.tensor_parallel_size or 1,
             pipeline_parallel_size=m.pipeline_parallel_size or 1,
             distributed_executor_backend=m.distributed_executor_backend,
+            health_path=None if m.health == "none" else (m.health or "/health"),
+            served_name=m.served_name,
+            memory_mb=m.memory_mb,
+            stop_signal=m.stop_signal or "SIGTERM",
+            url=_remote_base(m.url) if m.url else None,
+            api_key=m.api_key.get_secret_value() if m.api_key else None,
             rpc_workers=tuple(m.rpc.workers) if m.rpc else (),
             rpc_split=tuple(m.rpc.split) if m.rpc and isinstance(m.rpc.split, list) else None,
             rpc_threads=m.rpc.threads if m.rpc else 1,
@@ -179,6 +191,12 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
 def _absolute(path: str, base_dir: Path) -> Path:
     p = Path(os.path.expanduser(path))
     return p if p.is_absolute() else (base_dir / p).resolve()
+
+
+def _remote_base(url: str) -> str:
+    """What request paths (/v1/...) are appended to: the URL less a trailing / or /v1."""
+    base = url.rstrip("/")
+    return base.removesuffix("/v1")
 
 
 def _looks_like_hf_id(model: str) -> bool:

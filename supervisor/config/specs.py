@@ -74,6 +74,14 @@ class ModelSpec:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # command children and remote endpoints (backend: command / remote).
+    health_path: str | None = "/health"  # command: polled for 200 before ready; None: TCP only
+    served_name: str | None = None  # what the server expects in `model` (rewritten both ways)
+    memory_mb: float | None = None  # command: its footprint for placement until measured
+    stop_signal: str = "SIGTERM"
+    url: str | None = None  # remote: the base URL requests go to (a trailing /v1 removed)
+    # remote: its API key in clear (the config holds it as a secret); out of the repr.
+    api_key: str | None = field(default=None, repr=False)
     # Split over RPC workers (llama-server): as configured, then what a start deployed.
     rpc_workers: tuple[str, ...] = ()
     rpc_split: tuple[float, ...] | None = None

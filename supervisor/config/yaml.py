@@ -11,9 +11,12 @@ import yaml
 
 from corral.supervisor.config.issues import ConfigError, ConfigIssue, Lines, Loc, issue_at
 
-__all__ = ["read_yaml"]
+__all__ = ["RESERVED", "read_yaml"]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# Names corral fills in itself when it starts a child (a command model's port), never read from
+# the environment: left as written here, substituted at start (backends/command.py).
+RESERVED = frozenset({"PORT"})
 
 
 def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
@@ -69,7 +72,7 @@ def _collect_lines(node: yaml.Node, path: Loc, out: Lines, filename: str) -> Non
 
 def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
                 issues: list[ConfigIssue]) -> Any:
-    """Expand ${VAR} and ${VAR:-default} in string values."""
+    """Expand ${VAR} and ${VAR:-default} in string values (not the RESERVED ${PORT})."""
     if isinstance(value, dict):
         return {k: _expand_env(v, (*path, str(k)), lines, filename, issues)
                 for k, v in value.items()}
@@ -80,6 +83,8 @@ def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
 
     def substitute(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
+        if name in RESERVED and default is None:
+            return match.group(0)
         if name in os.environ:
             return os.environ[name]
         if default is not None:

@@ -209,6 +209,11 @@ def _try_start(self: Daemon, inst: Instance, victim: Instance | None, ignore_bac
             f"{inst.name} failed to start ({inst.start_failures} time"
             f"{'s' if inst.start_failures != 1 else ''} in a row); next try in "
             f"{backoff:.1f}s", retry_after=backoff)
+    if not inst.backend.spawns:
+        # A remote: no memory, no room, nothing to evict for it.
+        inst.begin_start(self._http(), self._on_spawn, reason="demand")
+        inst.touch()
+        return None, policy.Placement(fits=True)
     snap = self._snapshot()
     refusal = self._decide("refuse", None, snap, inst.model)
     if refusal:

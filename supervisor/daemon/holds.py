@@ -65,8 +65,10 @@ def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
     holding what the other needs until evict_timeout."""
     wanted = {self.instance(n).name for n in names}
     held_elsewhere = {rs.name for rs in self.models.values() if rs.primary.held > 0}
+    # Remote members take no room: the policy's question is about the ones that do.
+    room = {n for n in wanted | held_elsewhere if self.instance(n).backend.spawns}
     problem = self._decide("room_for", None, self._snapshot(),
-                           frozenset(wanted | held_elsewhere)) if wanted else None
+                           frozenset(room)) if room else None
     if problem:
         busy = sorted(held_elsewhere - wanted)
         raise NoCapacity(
@@ -82,6 +84,9 @@ def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
 def check_capacity(self: Daemon, names: Iterable[str], what: str) -> None:
     """Refuse up front what max_loaded can never fit, instead of thrashing."""
     wanted = frozenset(self.resolve(n) or n for n in names)
+    # Remote members take no room (an unknown name stays: the policy says it is unknown).
+    wanted = frozenset(n for n in wanted if n not in self.models
+                       or self.models[n].primary.backend.spawns)
     snap = self._snapshot()
     for name in sorted(wanted):
         refusal = self._decide("refuse", None, snap, name)

@@ -44,7 +44,10 @@ def child_logs(self: Daemon, key: str, lines: int) -> dict[str, Any]:
 def status(self: Daemon, name: str) -> ModelStatus:
     """One model (a canonical name, an alias) over its replicas. Raises UnknownModel."""
     rs = self.replica_set(name)
-    return ModelStatus(rs.name, rs.spec, rs.state(), rs.primary.since)
+    health = rs.primary.health
+    answering = None if rs.primary.backend.spawns or health.last_probe is None \
+        else health.failures == 0
+    return ModelStatus(rs.name, rs.spec, rs.state(), rs.primary.since, answering)
 
 def statuses(self: Daemon) -> list[ModelStatus]:
     return [self.status(name) for name in self.models]

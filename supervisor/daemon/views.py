@@ -48,7 +48,9 @@ def _view(self: Daemon, i: Instance) -> policy.ModelView:
     ladder = tuple(policy.KvCache(k, v) for k, v in self.memory.ladder(spec)) \
         if spec.kv_ladder else ()
     level = rs.kv_level if rs is not None else 0
-    loaded = i.state in LOADED_STATES
+    # A remote holds no memory and no room here: never counted against max_loaded, never
+    # evicted (its state is its own business: door.py starts it without asking the policy).
+    loaded = i.state in LOADED_STATES and i.backend.spawns
     footprint = self._footprint(i)
     primary = rs.primary if rs is not None else None
     restarting = primary is not None and primary.intent.restart_after_stop
@@ -62,7 +64,7 @@ def _view(self: Daemon, i: Instance) -> policy.ModelView:
     return policy.ModelView(
         name=i.name,
         loaded=loaded,
-        stoppable=i.state is State.READY and not i.busy,
+        stoppable=i.state is State.READY and not i.busy and i.backend.spawns,
         last_used=i.last_used,
         ttl=spec.ttl,
         size_bytes=i.size_bytes,

@@ -77,6 +77,10 @@ class Instance:
         self.start_failures = 0  # consecutive failed starts: the back-off exponent
         self._retry_at: float | None = None  # monotonic; no new start before it
         self._headers: dict[str, str] = {}
+        self._base_url = ""  # where leases send requests: the child's port, or a remote's URL
+        # Leases whose request broke (report_broken): a remote's health counts the others as
+        # answered when they come back.
+        self._broken_leases: set[int] = set()
         self._slots = asyncio.Semaphore(spec.parallel)
         self._slots_size = spec.parallel
         self._session: aiohttp.ClientSession | None = None
@@ -239,7 +243,8 @@ class Instance:
         self.last_used = time.monotonic()
         spec = self.spec
         return Lease(self, model=self.model, instance=self.name, pid=self.pid,
-                     base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
+                     base_url=self._base_url, headers=self._headers,
+                     served_name=spec.served_name,
                      first_byte_timeout=spec.first_byte_timeout,
                      idle_timeout=spec.idle_timeout, ready_since=self.since, slots=slots,
                      prompt_slots=self.prompt_slots)
@@ -249,12 +254,26 @@ class Instance:
         self.served += 1
         self.last_used = time.monotonic()
         (lease._slots or self._slots).release()
+        broke = id(lease) in self._broken_leases
+        self._broken_leases.discard(id(lease))
+        if not self.backend.spawns and not broke:
+            self.health = self.health.answered(time.time())
         self._on_change()
 
     def _child_alive(self, lease: Lease) -> bool:
+        if not self.backend.spawns:
+            return True  # a remote's process is not ours to know: worth a retry of a stale pool
         return lease.pid == self.pid and self.child_alive()
 
     async def _broken(self, lease: Lease, timed_out: bool) -> Broken:
+        if not self.backend.spawns:
+            # A remote that failed a request: its health says so (state stays ready: the next
+            # request tries it again, and a group falls back now).
+            self._broken_leases.add(id(lease))
+            error = "timed out" if timed_out else "request failed"
+            self.health = self.health.failed(time.time(), error)
+            self._noted(f"{self.spec.url}: {error}")
+            return Broken(unresponsive=False, detail=self.last_error)
         if lease.pid == self.pid:
             self.mark_if_dead()
             await self.settle_exit(0.5)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from corral.supervisor.process import (
     ChildProcess,
     ChildStartTimeout,
     free_port,
+    port_open,
     probe_health,
     probe_lists_model,
 )
@@ -91,6 +93,9 @@ async def wait_ready(self: Instance) -> None:
 async def _start(self: Instance, session: aiohttp.ClientSession,
                  on_spawn: Callable[[Instance], None]) -> None:
     began = time.monotonic()
+    if not self.backend.spawns:
+        _connect_remote(self, began)
+        return
     progress = asyncio.create_task(self._report_progress(began), name=f"load:{self.name}")
     try:
         try:
@@ -136,6 +141,23 @@ async def _start(self: Instance, session: aiohttp.ClientSession,
     self._swap(State.STARTING, State.READY)
     self._watch(session, process)
 
+def _connect_remote(self: Instance, began: float) -> None:
+    """A remote has nothing to start: its leases point at its URL with its key. Whether it
+    answers is what its requests find (Health), not a gate here: a probe would cost every
+    cold request a round trip and still say nothing of the next one."""
+    spec = self.started_with
+    assert spec.url is not None  # checks/backends.py requires it
+    self._base_url = spec.url
+    self._headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    self.port = None
+    self._events.publish("loaded", model=self.model, instance=self.name, pid=None,
+                         port=None, seconds=round(time.monotonic() - began, 3))
+    self.last_error = None
+    self.start_failures = 0
+    self._retry_at = None
+    self.health = Health()
+    self._swap(State.STARTING, State.READY)
+
 async def _stop_own_child(self: Instance) -> None:
     process = self.process
     if process is not None and process.pid is not None:
@@ -173,6 +195,7 @@ async def _spawn_and_wait(self: Instance, session: aiohttp.ClientSession,
                           last_try: bool) -> ChildProcess | None:
     """One start attempt: the healthy child, or None when it lost its port (retry)."""
     self.port = free_port()
+    self._base_url = f"http://127.0.0.1:{self.port}"
     api_key = secrets.token_urlsafe(24)
     deployment = await self._deploy() if self.spec.rpc_workers else None
     try:
@@ -183,7 +206,8 @@ async def _spawn_and_wait(self: Instance, session: aiohttp.ClientSession,
         self._fail_start(str(exc))
         raise StartFailed(str(exc)) from exc
     env = {**self.backend.env(self.started_with), **self.backend.auth_env(api_key)}
-    process = ChildProcess(self.name, argv, env, keeper=self._keeper) \
+    process = ChildProcess(self.name, argv, env, keeper=self._keeper,
+                           stop_signal=signal.Signals[self.started_with.stop_signal]) \
         if deployment is None else \
         ProcessSet(self.name, argv, env, deployment, keeper=self._keeper)
     self.process = process
@@ -260,12 +284,18 @@ async def _deploy(self: Instance) -> Deployment:
 def _readiness(self: Instance, session: aiohttp.ClientSession,
                ) -> Callable[[float], Awaitable[bool]]:
     """The start's readiness probe: /health answers 200 and, for a backend that answers
-    it early (vLLM), /v1/models lists the model's name."""
+    it early (vLLM), /v1/models lists the model's name. A command child polls its own
+    `health` path, or with `health: none` waits for its port to accept connections."""
     base = f"http://127.0.0.1:{self.port}"
-    health, headers, lists_models = base + self.backend.health_path, self._headers, \
+    path = self.started_with.health_path if self.backend.kind == "command" \
+        else self.backend.health_path
+    health, headers, lists_models = base + (path or ""), self._headers, \
         self.backend.lists_models
+    port = self.port or 0
 
     async def ready(timeout: float) -> bool:
+        if path is None:
+            return await port_open(port, timeout)
         if await probe_health(session, health, timeout) is not None:
             return False
         return not lists_models or await probe_lists_model(

@@ -67,6 +67,14 @@ class Health:
     failures: int = 0  # consecutive
     last_error: str | None = None
 
+    # A remote has no /health corral probes: its requests are its probes.
+    def answered(self, now: float) -> Health:
+        return Health(last_probe=now, last_ok=now)
+
+    def failed(self, now: float, error: str) -> Health:
+        return Health(last_probe=now, last_ok=self.last_ok, failures=self.failures + 1,
+                      last_error=error)
+
     def as_dict(self) -> dict[str, Any]:
         return {"last_probe": self.last_probe, "last_ok": self.last_ok,
                 "failures": self.failures, "last_error": self.last_error}

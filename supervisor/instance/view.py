@@ -34,7 +34,7 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         "replica_of": self.model if self.spec.replicas_max > 1 else None,
         "replica": self.replica,
         "backend": self.spec.backend,
-        "model_path": self.spec.model_id or str(self.spec.model_path),
+        "model_path": _what_it_serves(self),
         "aliases": list(self.spec.aliases),
         "state": str(self.state),
         "pid": self.pid if self.state in LOADED_STATES else None,
@@ -63,6 +63,16 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         "stop_pending": self.stop_pending,
         "prompt_cache": _prompt_cache(self),
     }
+
+
+def _what_it_serves(self: Instance) -> str:
+    """The model's file, Hugging Face id, a remote's URL or a command child's executable."""
+    spec = self.spec
+    if spec.backend == "remote":
+        return spec.url or ""
+    if spec.backend == "command":
+        return spec.command[0] if spec.command else ""
+    return spec.model_id or str(spec.model_path)
 
 
 def _prompt_cache(self: Instance) -> dict[str, Any] | None:

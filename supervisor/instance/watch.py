@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from corral.supervisor.port import State
-from corral.supervisor.process import ChildProcess, probe_health
+from corral.supervisor.process import ChildProcess, port_open, probe_health
 
 if TYPE_CHECKING:
     from corral.supervisor.instance.core import Instance
@@ -78,8 +78,7 @@ async def probe_now(self: Instance) -> bool:
 
 async def _probe_once(self: Instance, session: aiohttp.ClientSession,
                       process: ChildProcess) -> bool:
-    url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
-    problem = await probe_health(session, url, self.spec.health_timeout)
+    problem = await _health_problem(self, session)
     self.health.last_probe = time.time()
     if problem is None:
         self.health.last_ok = self.health.last_probe
@@ -89,6 +88,17 @@ async def _probe_once(self: Instance, session: aiohttp.ClientSession,
         await self._declare_unresponsive(process, f"a request timed out and its health "
                                                   f"probe failed ({problem})")
     return False
+
+async def _health_problem(self: Instance, session: aiohttp.ClientSession) -> str | None:
+    """What is wrong with the child's health (None: healthy): its backend's health path, or a
+    command child's own `health` (None there: its port accepting connections)."""
+    path = self.started_with.health_path if self.backend.kind == "command" \
+        else self.backend.health_path
+    if path is None:
+        return None if await port_open(self.port or 0, self.spec.health_timeout) \
+            else "its port refuses connections"
+    return await probe_health(session, f"http://127.0.0.1:{self.port}{path}",
+                              self.spec.health_timeout)
 
 async def _declare_unresponsive(self: Instance, process: ChildProcess, why: str) -> None:
     self._unresponsive_pid = process.pid
@@ -103,8 +113,6 @@ async def _declare_unresponsive(self: Instance, process: ChildProcess, why: str)
 async def _watchdog(self: Instance, session: aiohttp.ClientSession, process: ChildProcess) -> None:
     """Probe /health of a ready child; kill it after `health_failures` misses in a row.
     /health never touches the slots, so probing it cannot hide a request's cancellation."""
-    url = f"http://127.0.0.1:{self.port}{self.backend.health_path}"
-
     def serving() -> bool:
         return self.process is process and self.state in (State.READY, State.DRAINING)
 
@@ -112,7 +120,7 @@ async def _watchdog(self: Instance, session: aiohttp.ClientSession, process: Chi
         await asyncio.sleep(self.spec.health_interval)
         if not serving():
             return
-        problem = await probe_health(session, url, self.spec.health_timeout)
+        problem = await _health_problem(self, session)
         now = time.time()
         self.health.last_probe = now
         if problem is None:

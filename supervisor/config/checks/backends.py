@@ -4,8 +4,10 @@ must not be given in `args`, and the KV cache types its binary accepts (asked of
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from corral.supervisor.backends.binaries import BinaryNotFound, find_executable, kv_type_problem
+from corral.supervisor.backends.command import PORT_MACRO
 from corral.supervisor.backends.vllm import vllm_command, vllm_kv_type_problem
 from corral.supervisor.config.issues import ConfigIssue, Loc, dotted
 from corral.supervisor.config.schema import Config, ModelConfig, ladder_step
@@ -31,6 +33,26 @@ _LLAMA_ONLY = {
     "mmproj": "vLLM reads a multimodal checkpoint's projector from its folder",
     "embeddings": "pass vLLM's own pooling flags in `args`",
 }
+# The keys of command and remote models, and what the native backends have instead.
+_FOREIGN_ONLY = {
+    "health": "corral knows llama-server's and vLLM's health endpoints",
+    "served_name": "corral serves the model under its name (add `aliases` for more)",
+    "memory_mb": "corral estimates llama-server and vLLM children from the model's files",
+    "stop_signal": "corral stops llama-server and vLLM with SIGTERM",
+    "url": "`url` is for backend: remote",
+    "api_key": "corral gives every child an API key of its own",
+}
+# What a command child reads: corral starts it from `command` and knows nothing else of it.
+_COMMAND_KEYS = {"backend", "command", "health", "served_name", "memory_mb", "stop_signal",
+                 "env", "aliases", "ttl", "parallel", "start_timeout", "max_queue",
+                 "queue_timeout", "stop_grace", "first_byte_timeout", "idle_timeout",
+                 "health_interval", "health_timeout", "health_failures", "start_backoff",
+                 "start_backoff_max", "capabilities", "request", "loading_progress",
+                 "replicas", "model"}
+# What a remote endpoint reads: no process, so no start, stop, health probe or memory keys.
+_REMOTE_KEYS = {"backend", "url", "api_key", "served_name", "aliases", "parallel",
+                "max_queue", "queue_timeout", "first_byte_timeout", "idle_timeout",
+                "capabilities", "request", "ttl", "model"}
 # Flags today's llama-server no longer has, and what replaced them.
 _REMOVED_LLAMA_FLAGS = {
     "--mlock": "--load-mode mlock (or mmap+mlock)",
@@ -81,10 +103,44 @@ def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[Co
         at: Loc = ("models", name)
         if m.rpc is not None:
             _check_rpc(config, m, at, problem)
+        if m.backend in ("command", "remote"):
+            _check_foreign(m, at, problem)
+            continue
+        if m.model is None:
+            problem((*at, "model"), f"a {m.backend} model needs `model` (its file or "
+                                    f"checkpoint)")
+        for key in sorted(m.model_fields_set & set(_FOREIGN_ONLY)):
+            problem((*at, key), f"{key} is a command/remote setting but this model's backend "
+                                f"is {m.backend}; {_FOREIGN_ONLY[key]}")
         if m.backend == "vllm":
             _check_vllm(m, models[name], at, problem)
         else:
             _check_llama(m, llama_binary(models[name].binary), at, problem)
+
+
+def _check_foreign(m: ModelConfig, at: Loc, problem: Callable[[Loc, str], None]) -> None:
+    """A command child or a remote endpoint: only the keys it reads, and what it must have."""
+    allowed = _COMMAND_KEYS if m.backend == "command" else _REMOTE_KEYS
+    for key in sorted(m.model_fields_set - allowed):
+        problem((*at, key), f"{key} is not a setting of backend: {m.backend} (it reads "
+                            f"{', '.join(sorted(allowed - {'backend'}))})")
+    if m.backend == "command":
+        if not m.command:
+            problem((*at, "command"), "a command model needs `command`: the server's argv, "
+                                      f"with {PORT_MACRO} where its port goes")
+        elif not any(PORT_MACRO in arg for arg in m.command):
+            problem((*at, "command"), f"{PORT_MACRO} is missing from command: corral picks "
+                                      f"the port and the server must listen on it")
+        if m.health is not None and m.health != "none" and not m.health.startswith("/"):
+            problem((*at, "health"), f"health is a path (/health) or none, not {m.health!r}")
+    else:
+        url = urlsplit(m.url or "")
+        if m.url is None:
+            problem((*at, "url"), "a remote model needs `url`: the endpoint's base URL")
+        elif url.scheme not in ("http", "https") or not url.hostname:
+            problem((*at, "url"), f"url must be http(s)://host[:port][/path], not {m.url!r}")
+        elif url.query or url.fragment:
+            problem((*at, "url"), "url is a base URL: no query and no fragment")
 
 
 def _foreign_keys(m: ModelConfig, foreign: dict[str, str], at: Loc, own: str, other: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config.schema.base import STRICT
@@ -17,7 +17,7 @@ __all__ = ["BackendKind", "Capability", "ModelConfig", "ReplicasConfig"]
 
 # Checked against what the binary accepts (its --help), when the config is resolved.
 KvCacheType = str
-BackendKind = Literal["llama-server", "vllm"]
+BackendKind = Literal["llama-server", "vllm", "command", "remote"]
 # What a model answers; each OpenAI path needs one (proxy/capabilities.py).
 Capability = Literal["chat", "completion", "embeddings", "rerank", "vision"]
 
@@ -43,13 +43,21 @@ class ReplicasConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    model_config = STRICT
+    # `model` is optional only for command and remote models (checks/backends.py says so to
+    # `corral check`); the JSON Schema says it to editors.
+    model_config = ConfigDict(**STRICT, json_schema_extra={
+        "if": {"required": ["backend"],
+               "properties": {"backend": {"enum": ["command", "remote"]}}},
+        "else": {"required": ["model"]}})
 
     backend: BackendKind = Field(
-        "llama-server", description="llama-server (GGUF files) or vllm (safetensors "
-        "checkpoints or Hugging Face ids)")
-    model: str = Field(description="llama-server: a .gguf file; vllm: a checkpoint folder or a "
-                       "Hugging Face id (relative paths are relative to this file)")
+        "llama-server", description="llama-server (GGUF files), vllm (safetensors checkpoints "
+        "or Hugging Face ids), command (any OpenAI-compatible server corral starts from "
+        "`command`) or remote (an OpenAI-compatible endpoint at `url`, no process)")
+    model: str | None = Field(
+        None, description="llama-server: a .gguf file; vllm: a checkpoint folder or a Hugging "
+        "Face id (relative paths are relative to this file); required by both, unused by "
+        "command and remote")
     aliases: list[str] = []
     ttl: float | None = Field(None, ge=0)
     ctx: int | None = Field(None, ge=0)
@@ -90,10 +98,29 @@ class ModelConfig(BaseModel):
         None, description="request defaults, overrides, stripped fields and a default system "
         "prompt (default: defaults.request)")
     mmproj: str | None = Field(None, description="multimodal projector; relative like model")
-    # vLLM only (backend: vllm); checks/backends.py says which keys belong to which backend.
+    # vLLM and command; checks/backends.py says which keys belong to which backend.
     command: list[str] | None = Field(
         None, min_length=1, description="vllm: how to start it, e.g. [/opt/vllm/bin/python, -m, "
-        "vllm.entrypoints.openai.api_server] for a venv of its own (default: `vllm serve`)")
+        "vllm.entrypoints.openai.api_server] for a venv of its own (default: `vllm serve`); "
+        "command: the whole argv (no shell), with ${PORT} where the port corral picked goes")
+    # command and remote (checks/backends.py).
+    health: str | None = Field(
+        None, description="command: the path polled for 200 before the child is ready "
+        "(default /health); `none`: ready once its port accepts connections")
+    served_name: str | None = Field(
+        None, description="command, remote: the name the server expects in `model` (corral "
+        "rewrites it in requests, and back to this model's name in answers)")
+    memory_mb: float | None = Field(
+        None, gt=0, description="command: the child's memory (MiB of RAM) for placement "
+        "before it is measured (corral cannot estimate an arbitrary server)")
+    stop_signal: Literal["SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP"] | None = Field(
+        None, description="command: the signal that asks it to stop (default SIGTERM; "
+        "SIGKILL follows after stop_grace)")
+    url: str | None = Field(
+        None, description="remote: the endpoint's OpenAI-compatible base URL "
+        "(http(s)://host[:port][/prefix], with or without a trailing /v1)")
+    api_key: SecretStr | None = Field(
+        None, description="remote: sent as `Authorization: Bearer` (a secret: never shown)")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vllm: the fraction of the WHOLE GPU it takes (default: "
         "its memory estimate over the GPU's size, so several vLLM children share a GPU)")

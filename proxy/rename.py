@@ -1,0 +1,79 @@
+"""A model's `served_name`: the server behind a lease (a command child, a remote endpoint)
+knows the model by another name. Requests carry that name in `model`; answers get the model's
+corral name back, whole or streamed. Only leases with a served_name pay for any of this."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["StreamRenamer", "rename_answer", "rename_request"]
+
+
+def _dumps(value: Any) -> bytes:
+    # Compact, and UTF-8 as it came: re-encoding must not grow the body (\u escapes).
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def rename_request(body: Any, served_name: str) -> Any:
+    """The request body (bytes or a dict) with `model` set to `served_name`."""
+    if isinstance(body, dict):
+        return {**body, "model": served_name}
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body  # not JSON: the server says what it makes of it
+        if isinstance(data, dict):
+            return _dumps({**data, "model": served_name})
+    return body
+
+
+def _renamed(data: Any, served_name: str, model: str) -> bool:
+    if isinstance(data, dict) and data.get("model") == served_name:
+        data["model"] = model
+        return True
+    return False
+
+
+def rename_answer(payload: bytes, served_name: str, model: str) -> bytes:
+    """A whole JSON answer naming `served_name` as its model, naming `model` instead."""
+    if served_name.encode() not in payload:
+        return payload
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return payload
+    return _dumps(data) if _renamed(data, served_name, model) else payload
+
+
+class StreamRenamer:
+    """An event stream's chunks, with `model` renamed in every `data:` event. Chunks split
+    events anywhere: whole lines go out, the last partial line waits for the next chunk."""
+
+    def __init__(self, served_name: str, model: str):
+        self._served, self._needle, self._model = served_name, served_name.encode(), model
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        return b"".join(self._line(line) for line in data[:cut].splitlines(keepends=True))
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return self._line(rest) if rest else b""
+
+    def _line(self, line: bytes) -> bytes:
+        if not line.startswith(b"data:") or self._needle not in line:
+            return line
+        body = line[5:].strip()
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return line
+        if not _renamed(event, self._served, self._model):
+            return line
+        ending = line[len(line.rstrip(b"\r\n")):]
+        return b"data: " + _dumps(event) + ending
