@@ -210,6 +210,12 @@ class ChildProcess:
             self.logs.append(line)
             self._log.debug("child.output", line=line)
 
+    async def exited(self) -> int:
+        """The exit code, as soon as the process itself has ended (its log may still be
+        draining: helpers it forked can hold the pipe open)."""
+        assert self._proc
+        return await self._proc.wait()
+
     async def wait(self) -> int:
         assert self._proc
         code = await self._proc.wait()

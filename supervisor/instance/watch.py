@@ -24,8 +24,11 @@ def _watch(self: Instance, session: aiohttp.ClientSession, process: ChildProcess
                                               name=f"watchdog:{self.name}")
 
 async def _watch_exit(self: Instance, process: ChildProcess) -> None:
-    code = await process.wait()
-    process.sweep_group()  # helpers it forked die with it, while the group id is ours
+    code = await process.exited()
+    # At once, not after the log drains: helpers it forked (vLLM's engine core, a wrapper's
+    # server) must not go on serving a stream for a process that is gone.
+    process.sweep_group()
+    await process.wait()  # its last lines, for the reason below (bounded)
     if self.process is not process:
         return
     tail = process.tail(5)
