@@ -22,7 +22,8 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.events import EventBus
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.store import SUFFIX, Entry, Store, fingerprint
-from tests.conftest import Corral, CorralFactory, wait_until
+
+from conftest import Corral, CorralFactory, wait_until
 
 # ~600 tokens of system prompt: a conversation worth a file (min_tokens 64 below).
 _FACTS = " ".join(f"Fact {i}: the {w} of the valley is kept in a ledger by its clerk." for i, w
