@@ -221,11 +221,11 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                         else "upstream_failed")
                 log.warning("proxy.stream_broken", model=model, error=str(failure))
                 upstream.close()  # the child must see the hang-up (and drop the generation)
+                await out.write(error_event(str(failure), code=code))  # the client first
                 if lease is not None:
                     # A dead child is marked failed now, a silent one probed now (and killed
                     # when it does not answer): the next request gets a fresh child.
                     await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
-                await out.write(error_event(str(failure), code=code))
                 break
             if tail is not None:
                 if not tail and record is not None:
