@@ -9,6 +9,9 @@ from typing import Any
 
 __all__ = ["StreamRenamer", "rename_answer", "rename_request"]
 
+# The longest partial line a stream may hold back for renaming (an SSE event is far smaller).
+_LINE_LIMIT = 1 << 20
+
 
 def _dumps(value: Any) -> bytes:
     # Compact, and UTF-8 as it came: re-encoding must not grow the body (\u escapes).
@@ -58,6 +61,11 @@ class StreamRenamer:
     def feed(self, chunk: bytes) -> bytes:
         data = self._rest + chunk
         cut = data.rfind(b"\n") + 1
+        if not cut and len(data) > _LINE_LIMIT:
+            # A server that never ends its line must not grow this buffer without bound: what
+            # is held goes out as it is (unrenamed), as the relay would send it.
+            self._rest = b""
+            return data
         self._rest = data[cut:]
         return b"".join(self._line(line) for line in data[:cut].splitlines(keepends=True))
 
