@@ -351,7 +351,6 @@ class Daemon:
             self._changed.fire()
 
         if inst.when_stopped(gone):
-            inst.intent.retiring = True
             self._retired.add(inst)
             log.info("daemon.retiring", model=inst.model, instance=inst.name, pid=inst.pid,
                      why=why)

@@ -40,7 +40,6 @@ class Intent:
     restart_after_stop: bool = False  # a reload or KV change: start again once stopped
     for_kv: bool = False  # that restart is for a KV step (it keeps its room meanwhile)
     preloading: bool = False  # the daemon loads it (kept loaded by the policy)
-    retiring: bool = False  # removed or replaced: serves no new request, goes once drained
 
 
 class Changed:
