@@ -137,7 +137,10 @@ class Slots:
             await self._restore(lease, slot, record)
         self.records[slot] = record
         pinned = {**parsed, "id_slot": slot}
-        return json.dumps(pinned).encode() if isinstance(body, (bytes, bytearray)) else pinned
+        if not isinstance(body, (bytes, bytearray)):
+            return pinned
+        # Compact, UTF-8 as it came: the body must not grow (\u escapes, spaces).
+        return json.dumps(pinned, ensure_ascii=False, separators=(",", ":")).encode()
 
     def unpin(self, lease: Lease) -> None:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
