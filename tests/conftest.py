@@ -143,6 +143,26 @@ def log_problems(text: str, expected: LogExpectations) -> list[str]:
     return problems
 
 
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts: it runs nothing any more)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def group_of(pid: int) -> list[int]:
+    """Every live process in the process group `pid` leads (a child and what it forked)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:

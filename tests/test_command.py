@@ -14,7 +14,7 @@ import pytest
 import yaml
 from tinyhf import write_tiny_hf_llama
 
-from conftest import Corral, CorralFactory, llama_server_binary, port_is_free, wait_until
+from conftest import Corral, CorralFactory, group_of, llama_server_binary, port_is_free, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_SERVE = Path(os.environ.get("CORRAL_HF_SERVE", ROOT / "build/hf-venv/bin/transformers"))
@@ -53,15 +53,6 @@ def served(start_corral_module: CorralFactory, checkpoint: Path,
     return start_corral_module(command_config(checkpoint, tiny_models))
 
 
-def group_of(pid: int) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return found
 
 
 def test_transformers_serve_starts_answers_and_streams_under_corrals_name(

@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 import httpx
-import psutil
 
-from conftest import tiny_config, wait_until
+from conftest import gone, tiny_config, wait_until
 
 GO = [{"role": "user", "content": "go"}]
 
@@ -22,11 +21,6 @@ def _body(model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": GO, **extra}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_a_start_that_crashes_ends_failed_not_wedged_in_starting(start_corral, tmp_path):
@@ -115,7 +109,7 @@ def test_a_request_timeout_probes_the_child_and_the_next_request_is_served(
     try:
         first = corral.http.post("/v1/chat/completions", json=_body("tiny-a", max_tokens=4))
         assert first.status_code == 504, first.text
-        wait_until(lambda: _gone(pid), timeout=10)
+        wait_until(lambda: gone(pid), timeout=10)
         started = time.monotonic()
         second = corral.http.post("/v1/chat/completions", json=_body("tiny-a", max_tokens=4))
         assert second.status_code == 200, second.text

@@ -19,10 +19,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import psutil
 import pytest
 
-from conftest import Corral, llama_server_binary, tiny_config, wait_until
+from conftest import Corral, gone, llama_server_binary, tiny_config, wait_until
 
 GO = [{"role": "user", "content": "go"}]
 
@@ -44,13 +43,6 @@ def sse_events(text: str) -> list[Any]:
 
 def error_events(events: list[Any]) -> list[dict[str, Any]]:
     return [e["error"] for e in events if isinstance(e, dict) and "error" in e]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def resume(corral: Corral, pid: int) -> None:

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import port_is_free, tiny_config, wait_until
+from conftest import gone, port_is_free, tiny_config, wait_until
 
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 # A few seconds alone; on a loaded 2-core box llama.cpp's spinning threads can stretch it past
@@ -25,11 +25,6 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 SLOW_OK = 300
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_ttl_stops_idle_model_and_frees_port(start_corral, tiny_models):
@@ -39,7 +34,7 @@ def test_ttl_stops_idle_model_and_frees_port(start_corral, tiny_models):
     pid, port = state["pid"], state["port"]
     assert 0 < state["ttl_left"] <= 1
     wait_until(lambda: corral.model("tiny-a")["state"] == "stopped", timeout=15)
-    wait_until(lambda: _gone(pid), timeout=10)
+    wait_until(lambda: gone(pid), timeout=10)
     assert port_is_free(port)
     stop = [e for e in corral.log_events("instance.stop") if e["model"] == "tiny-a"]
     assert "ttl" in stop[-1]["reason"] and stop[-1]["pid"] == pid
@@ -70,7 +65,7 @@ def test_lru_evicts_least_recently_used_idle_model(start_corral, tiny_models):
     corral.chat("tiny-c", max_tokens=1)
     states = {name: m["state"] for name, m in corral.models().items()}
     assert states == {"tiny-a": "ready", "tiny-b": "stopped", "tiny-c": "ready"}
-    assert _gone(b_pid)
+    assert gone(b_pid)
     evictions = [e for e in corral.log_events("instance.stop") if "evicted" in e["reason"]]
     assert [e["model"] for e in evictions] == ["tiny-b"]
 
@@ -178,7 +173,7 @@ def test_child_killed_mid_stream_then_restarted(start_corral, tiny_models):
         assert "tiny-a" in exc.message, exc.message
         assert isinstance(exc.body, dict) and exc.body.get("code") == "upstream_failed", exc.body
     assert received < 6000  # cut short, not a whole generation
-    wait_until(lambda: _gone(pid))
+    wait_until(lambda: gone(pid))
     wait_until(lambda: corral.model("tiny-a")["state"] == "failed")
     assert "exited unexpectedly" in corral.model("tiny-a")["last_error"]
     assert corral.model("tiny-a")["in_flight"] == 0  # the lease came back
@@ -216,7 +211,7 @@ def test_start_timeout_kills_the_child_it_started(start_corral, tiny_models):
     assert len(spawned) == 1 and spawned[0]["pid"] > 0
     pid = spawned[0]["pid"]
     # ...and is gone, not left running behind the failed start.
-    wait_until(lambda: _gone(pid), timeout=10)
+    wait_until(lambda: gone(pid), timeout=10)
     state = corral.model("tiny-a")
     assert state["state"] == "failed" and state["pid"] is None
     assert "not ready" in state["last_error"]
@@ -237,7 +232,7 @@ def test_sigterm_drains_in_flight_then_stops_children(start_corral, tiny_models)
     assert result[0].status_code == 200
     assert result[0].json()["usage"]["completion_tokens"] == LONG["max_tokens"]
     assert corral.proc.wait(15) == 0
-    assert _gone(pid)
+    assert gone(pid)
 
 
 @pytest.mark.expect_log(exit_code=-9)
@@ -249,7 +244,7 @@ def test_daemon_sigkill_leaves_no_orphans(start_corral, tiny_models):
     assert all(psutil.pid_exists(p) for p in pids)
     corral.proc.kill()
     corral.proc.wait()
-    wait_until(lambda: all(_gone(p) for p in pids), timeout=5)
+    wait_until(lambda: all(gone(p) for p in pids), timeout=5)
 
 
 def test_orphan_check_finds_a_reparented_child_and_spares_a_recycled_pid(tmp_path, tiny_models):

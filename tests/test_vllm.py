@@ -25,7 +25,7 @@ import pytest
 import yaml
 from tinyhf import write_tiny_hf_llama
 
-from conftest import Corral, CorralFactory, port_is_free, wait_until
+from conftest import Corral, CorralFactory, group_of, port_is_free, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("CORRAL_VLLM_PYTHON", ROOT / "build/vllm-venv/bin/python"))
@@ -60,17 +60,6 @@ def served(start_corral_module: CorralFactory, checkpoint: Path,
     return start_corral_module(vllm_config(checkpoint, tiny_models))
 
 
-def group_of(pid: int) -> list[int]:
-    """Every live process in the process group `pid` leads (vLLM's API server, engine core
-    and worker share the group corral gave the first)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return found
 
 
 def cmdline(pid: int) -> list[str]:
