@@ -17,6 +17,7 @@ from corral.proxy import (
     client_io,
     events,
     filters,
+    history,
     models_api,
     peer,
     progress,
@@ -90,6 +91,7 @@ def create_app(daemon: Supervisor) -> web.Application:
     app.router.add_get("/v1/{path:.+}", _no_such_path)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
+    history.add_routes(app, daemon)
     ui.add_routes(app)
     if daemon.lender is not None:
         peer.add_routes(app, DAEMON)

@@ -1,6 +1,7 @@
 """GET /admin/events: the daemon's events as Server-Sent Events (state changes, loads with
-their progress, stops and why, reloads, group outcomes, requests); GET /admin/requests: the
-latest requests with their timings. Both read the daemon's bus and never count as use."""
+their progress, stops and why, reloads, group outcomes, requests), from now on, or after the
+id a reconnecting reader saw, or after the `?last=N` most recent ones; GET /admin/requests:
+the latest requests with their timings. Both read the daemon's bus and never count as use."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from aiohttp import web
 from corral.proxy import client_io
 from corral.proxy.accounting import Accounting
 from corral.proxy.sse import KEEPALIVE, named, sse_headers
+from corral.proxy.validate import bad
 from corral.supervisor.port import Supervisor
 
 _KEEPALIVE_EVERY = 15.0
+# The most events `?last=` replays: the bus's history (supervisor/events.py) holds 500.
+_MOST_REPLAYED = 500
 
 
 def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
@@ -24,7 +28,12 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
         wanted = frozenset(k for k in kinds.split(",") if k) if kinds else None
         # A reconnecting EventSource says where it stopped; ?since= does the same by hand.
         after = _int(request.headers.get("Last-Event-ID") or request.query.get("since"))
-        sub = bus.subscribe(after=after, kinds=wanted)
+        # A new reader (the status page's first connection) may start with what just
+        # happened; a reconnecting one gets what it missed instead (above).
+        last = _int(request.query.get("last", "0"))
+        if last is None or not 0 <= last <= _MOST_REPLAYED:
+            raise bad(f"last must be an integer from 0 to {_MOST_REPLAYED}", "last")
+        sub = bus.subscribe(after=after, kinds=wanted, last=last)
         response = web.StreamResponse(headers=sse_headers())
         # A reader that stops reading (its socket buffer full) must not pin this handler nor
         # its subscription: client_write_timeout, then it is cut off.

@@ -6,7 +6,11 @@ One bus per daemon. Listeners of two kinds:
   one that raises is logged and skipped, never the publisher's problem;
 - subscriptions (GET /admin/events): a bounded queue each, fed without awaiting, so a slow
   reader never slows the daemon. A reader that falls a whole queue behind is cut off, told
-  so, and may come back with the last id it saw (history replays what it missed)."""
+  so, and may come back with the last id it saw (history replays what it missed).
+
+Ids count 1, 2, 3, ... from the daemon's start: small enough to read (`id: 7`), and in the
+order events happened. An id above the last one given out was given by an earlier daemon (a
+reader reconnecting across a restart): that reader gets the whole history."""
 
 from __future__ import annotations
 
@@ -95,10 +99,8 @@ class Subscription:
 
 class EventBus:
     def __init__(self, history: int = 500) -> None:
-        # Ids go on rising across restarts (microseconds since the epoch at start, then one
-        # each): a reader that reconnects with the last id of the daemon before a restart
-        # gets the new daemon's history instead of waiting for its ids to pass the old one.
-        self._ids = itertools.count(time.time_ns() // 1000)
+        self._ids = itertools.count(1)
+        self._last_id = 0
         self._history: collections.deque[Event] = collections.deque(maxlen=history)
         self._listeners: list[Callable[[Event], None]] = []
         self._failing: set[int] = set()  # listeners whose failure was logged (once each)
@@ -108,6 +110,7 @@ class EventBus:
         """`history=False`: frequent events (each request) that should not push the rarer
         ones (state, loads, reloads) out of what a reconnecting reader can replay."""
         event = Event(next(self._ids), time.time(), kind, data)
+        self._last_id = event.id
         if history:
             self._history.append(event)
         for listener in self._listeners:
@@ -125,14 +128,20 @@ class EventBus:
     def listen(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
-    def subscribe(self, after: int | None = None,
-                  kinds: frozenset[str] | None = None) -> Subscription:
-        """A new reader; with `after`, the events since that id still in history come first."""
+    def subscribe(self, after: int | None = None, kinds: frozenset[str] | None = None,
+                  last: int = 0) -> Subscription:
+        """A new reader. With `after` (an id it saw), the events since that id still in
+        history come first; an `after` this bus never reached came from an earlier daemon,
+        so all of history comes first. Without `after`, the `last` most recent events of
+        history (of the `kinds` wanted) come first."""
         sub = Subscription(self, kinds)
         if after is not None:
-            for event in self._history:
-                if event.id > after:
-                    sub.offer(event)
+            since = after if after <= self._last_id else 0
+            replay = [e for e in self._history if e.id > since]
+        else:
+            replay = self.recent(last, kinds) if last > 0 else []
+        for event in replay:
+            sub.offer(event)
         if not sub.ended:
             self._subscriptions.add(sub)
         return sub

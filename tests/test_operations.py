@@ -342,16 +342,33 @@ def test_events_filter_by_kind_and_replay_from_an_id(corral):
     assert "request" not in kinds and {"state", "load", "loaded"} <= set(kinds), kinds
 
 
-def test_event_ids_keep_rising_across_a_restart_so_a_reconnecting_reader_gets_history():
+def test_event_ids_count_from_one_and_a_reader_from_before_a_restart_gets_all_history():
     before = EventBus()
-    for n in range(1000):
-        last = before.publish("state", n=n).id
-    after = EventBus()  # the daemon restarted
+    ids = [before.publish("state", n=n).id for n in range(1000)]
+    assert ids == list(range(1, 1001))  # `id: 7`, as README shows, not a timestamp
+    last = ids[-1]
+    after = EventBus()  # the daemon restarted: its ids start again at 1
     first = after.publish("state", n=0)
     after.publish("loaded", model="m")
-    assert first.id > last
-    replayed = after.subscribe(after=last).pending()  # EventSource's Last-Event-ID
+    assert first.id == 1
+    # EventSource's Last-Event-ID from the daemon before: an id this bus never reached.
+    replayed = after.subscribe(after=last).pending()
     assert [e.kind for e in replayed] == ["state", "loaded"]
+    # An id it did reach: only what came after it.
+    assert [e.kind for e in after.subscribe(after=first.id).pending()] == ["loaded"]
+    assert after.subscribe(after=2).pending() == []
+
+
+def test_a_new_reader_may_start_with_the_last_events_of_history():
+    bus = EventBus(history=10)
+    for n in range(20):
+        bus.publish("state" if n % 2 else "loaded", n=n)
+    bus.publish("request", history=False)  # live only: never replayed
+    assert [e.data["n"] for e in bus.subscribe(last=3).pending()] == [17, 18, 19]
+    loaded = bus.subscribe(last=3, kinds=frozenset({"loaded"})).pending()
+    assert [e.data["n"] for e in loaded] == [14, 16, 18]
+    assert bus.subscribe().pending() == []  # by default a reader gets what happens next
+    assert len(bus.subscribe(last=500).pending()) == 10  # no more than history holds
 
 
 def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listener():

@@ -1,20 +1,26 @@
 """The status page (GET /): public, static, locked down by its CSP, and driven here in a real
 headless Chromium (Debian's chromium through playwright) against a real corral with an admin
 key: the key prompt, a loaded model with its pid, a request arriving live over the event
-stream, the log tail, Unload and Load from the page, and hostile strings shown as text."""
+stream, the log tail, Unload and Load from the page, and hostile strings shown as text. Then
+the history (GET /admin/history) of a real run, and the page's charts of it, down to the
+pixels of a screenshot."""
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import httpx
+import numpy as np
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
-from conftest import Corral, CorralFactory, tiny_config
+from conftest import Corral, CorralFactory, tiny_config, wait_until
 
 ADMIN_KEY = "boss-key"
 # A model name is the operator's, but it is still a string the page must never parse.
@@ -26,7 +32,7 @@ UI_WAIT_MS = 15_000
 @pytest.fixture(scope="module")
 def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path]) -> Corral:
     config = tiny_config(tiny_models, ["tiny-a", "tiny-b"], admin_api_keys=[ADMIN_KEY],
-                         policy={"max_loaded": 4})
+                         policy={"max_loaded": 2})
     config["models"][HOSTILE] = {"model": str(tiny_models["tiny-c"]), "ctx": 2048}
     config["groups"] = {"pair": {"type": "parallel", "models": ["tiny-a", "tiny-b"]}}
     return start_corral_module(config, api_key=ADMIN_KEY)
@@ -65,7 +71,9 @@ def test_the_page_is_public_static_and_locked_down(corral: Corral) -> None:
     # Only the page's own inline script and style, by hash; nothing inline besides.
     assert re.fullmatch(r"'sha256-[A-Za-z0-9+/]{43}='", csp["script-src"])
     assert re.fullmatch(r"'sha256-[A-Za-z0-9+/]{43}='", csp["style-src"])
-    assert "://" not in resp.text, "no third-party origin, no CDN"
+    # The one URL in it names SVG's namespace (createElementNS), which is never fetched.
+    text = resp.text.replace('"http://www.w3.org/2000/svg"', "")
+    assert "://" not in text, "no third-party origin, no CDN"
     assert httpx.get(corral.url + "/ui").content == resp.content
     # The data behind it is not public.
     assert httpx.get(corral.url + "/admin/models").status_code == 401
@@ -164,4 +172,202 @@ def test_the_page_shows_models_live_and_loads_and_unloads_them(
     page.reload()
     expect(page.locator("#keyform")).to_be_hidden()
     expect(row.locator(".state")).to_have_text("ready")
+    assert not problems, problems
+
+
+# -- history -----------------------------------------------------------------------------------
+
+# The chart geometry of status.html (CHART): the plot's bottom edge is y = 130.
+PLOT_BOTTOM = 150 - 20
+EVICT_RGB = (0xBC, 0x4C, 0x00)  # .mk-evict
+
+
+@pytest.fixture(scope="module")
+def history_run(corral: Corral) -> dict[str, Any]:
+    """A run worth charting, once per module: requests to two models, then a load that
+    evicts the least recently used of them (max_loaded: 2)."""
+    for name in ("tiny-a", "tiny-b"):
+        assert corral.http.post(f"/admin/models/{name}/load").status_code == 200
+    for _ in range(3):
+        assert corral.chat("tiny-b", max_tokens=8).status_code == 200
+    for _ in range(3):
+        assert corral.chat("tiny-a", max_tokens=8).status_code == 200
+    # tiny-b was used least recently: loading a third model stops it to make room.
+    assert corral.http.post(f"/admin/models/{quote(HOSTILE, safe='')}/load").status_code == 200
+    assert corral.model("tiny-b")["state"] == "stopped"
+
+    def sampled() -> dict[str, Any] | None:
+        # The requests are in the history once a sample closed their step.
+        body = corral.http.get("/admin/history").json()
+        models = {m["name"]: m["samples"] for m in body["models"]}
+        done = sum(s["requests"] for s in models.get("tiny-a", []))
+        return body if done >= 3 else None
+
+    return wait_until(sampled, timeout=30)
+
+
+def test_history_holds_memory_requests_and_marks_of_a_real_run(
+        corral: Corral, history_run: dict[str, Any]) -> None:
+    body = history_run
+    assert set(body) == {"step", "minutes", "now", "times", "devices", "models", "marks"}
+    assert body["step"] == 5 and body["minutes"] == 60
+    times = body["times"]
+    assert times == sorted(times) and len(times) <= 720
+    assert all(body["now"] - 3600 < t <= body["now"] for t in times)
+
+    # Memory per device, with /admin/memory's keys: corral's children and everyone else.
+    memory = {d["name"]: d for d in corral.http.get("/admin/memory").json()["devices"]}
+    assert body["devices"] and {d["name"] for d in body["devices"]} == set(memory)
+    for device in body["devices"]:
+        assert device["kind"] == memory[device["name"]]["kind"]
+        assert [s["time"] for s in device["samples"]] == times  # one per step
+        for sample in device["samples"]:
+            assert set(sample) == {"time", "total_mib", "used_mib", "corral_mib", "other_mib",
+                                   "capacity_mib"}
+            assert 0 <= sample["corral_mib"] <= sample["used_mib"] <= sample["total_mib"]
+    # The children's memory is in some sample (tiny models: a few MiB, not nothing).
+    assert any(s["corral_mib"] > 0 for d in body["devices"] for s in d["samples"])
+
+    # Requests per model, with /admin/requests' keys, only for the steps that had some.
+    models = {m["name"]: m["samples"] for m in body["models"]}
+    assert sum(s["requests"] for s in models["tiny-b"]) == 3
+    for sample in models["tiny-a"] + models["tiny-b"]:
+        assert set(sample) == {"time", "requests", "errors", "tokens_in", "tokens_out",
+                               "tokens_per_s"}
+        assert sample["time"] in times and sample["requests"] > 0 and sample["errors"] == 0
+        assert sample["tokens_out"] > 0 and sample["tokens_per_s"] > 0
+    assert HOSTILE not in models  # loaded, never asked anything
+
+    # Loads and the eviction as marks: the events themselves (same ids, same keys).
+    marks = body["marks"]
+    loaded = {m["model"] for m in marks if m["kind"] == "loaded"}
+    assert {"tiny-a", "tiny-b", HOSTILE} <= loaded
+    evicted = [m for m in marks if m["kind"] == "stop" and m["cause"] == "lru"]
+    assert [m["model"] for m in evicted][-1:] == ["tiny-b"]
+    assert "evicted" in evicted[-1]["reason"]
+    assert {m["kind"] for m in marks} <= {"loaded", "load_failed", "stop", "state"}
+    assert [m["id"] for m in marks] == sorted(m["id"] for m in marks)
+
+    # Bounds: a shorter window, and only what is newer than a sample already read.
+    short = corral.http.get("/admin/history?minutes=1").json()
+    assert short["minutes"] == 1 and all(t > short["now"] - 60 for t in short["times"])
+    newer = corral.http.get(f"/admin/history?since={times[-1]}").json()
+    assert all(t > times[-1] for t in newer["times"])
+    assert all(m["time"] > times[-1] for m in newer["marks"])
+    for query in ("minutes=0", "minutes=61", "minutes=ten", "minutes=1.5", "since=nan",
+                  "since=soon"):
+        resp = corral.http.get(f"/admin/history?{query}")
+        assert resp.status_code == 400, query
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == query.split("=")[0]
+    # The admin's, like the rest of /admin.
+    assert httpx.get(corral.url + "/admin/history").status_code == 401
+
+
+def test_events_count_from_one_and_a_new_reader_may_start_with_the_last_ones(
+        corral: Corral, history_run: dict[str, Any]) -> None:
+    ids: list[int] = []
+    kinds: list[str] = []
+    with corral.http.stream("GET", "/admin/events?last=5") as resp:
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line[4:]))
+            elif line.startswith("event: "):
+                kinds.append(line[7:])
+                if len(kinds) == 5:
+                    break
+    # This daemon's own count (one per event since it started), not a timestamp.
+    assert ids == sorted(ids) and ids[-1] < 10_000
+    assert "request" not in kinds  # live only, never replayed
+    last = history_run["marks"][-1]
+    assert last["id"] <= ids[-1]
+    resp = corral.http.get("/admin/events?last=many")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "last"
+
+
+def path_points(d: str) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"([-\d.]+),([-\d.]+)", d)]
+
+
+def decoded(browser: Browser, png: bytes) -> np.ndarray:
+    """A PNG's pixels (height × width × RGBA), decoded by Chromium itself: no image library."""
+    page = browser.new_page()
+    try:
+        img = page.evaluate("""async (src) => {
+            const img = new Image();
+            img.src = src;
+            await img.decode();
+            const canvas = document.createElement("canvas");
+            canvas.width = img.width;
+            canvas.height = img.height;
+            const g = canvas.getContext("2d");
+            g.drawImage(img, 0, 0);
+            return {w: img.width, h: img.height,
+                    data: Array.from(g.getImageData(0, 0, img.width, img.height).data)};
+        }""", "data:image/png;base64," + base64.b64encode(png).decode())
+    finally:
+        page.close()
+    return np.array(img["data"], dtype=np.uint8).reshape(img["h"], img["w"], 4)
+
+
+def test_the_page_charts_the_history_with_load_and_eviction_marks(
+        corral: Corral, history_run: dict[str, Any], browser: Browser, page: Page,
+        tmp_path: Path) -> None:
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    page.goto(corral.url + "/")
+    page.fill("#key", ADMIN_KEY)
+    page.press("#key", "Enter")
+    expect(page.locator("#conn")).to_have_text("live")
+
+    # The last events from before the page opened are listed (the eviction among them).
+    expect(page.locator('#events li[data-kind="stop"]', has_text="(lru)")).not_to_have_count(0)
+
+    requests = page.locator('[data-chart="requests"] path.line[data-model="tiny-a"]')
+    speed = page.locator('[data-chart="speed"]')
+    memory = page.locator("[data-device] path.line.corral").first
+    expect(requests).to_have_count(1)
+
+    def drawn_as_served() -> bool:
+        # The page reads the history each step; compare once it has read what the API has.
+        body = corral.http.get("/admin/history").json()
+        served = {m["name"]: m["samples"] for m in body["models"]}["tiny-a"]
+        steps = [(x, y) for x, y in path_points(requests.get_attribute("d") or "")]
+        busy = [p for p in steps if p[1] < PLOT_BOTTOM - 0.05]
+        dots = speed.locator("circle").count()
+        timed = sum(1 for m in body["models"] for s in m["samples"]
+                    if s["tokens_per_s"] is not None)
+        kept = len(path_points(memory.get_attribute("d") or ""))
+        return (len(busy) == sum(1 for s in served if s["requests"])
+                and [x for x, _ in steps] == sorted(x for x, _ in steps)
+                and dots == timed and kept in (len(body["times"]), len(body["times"]) - 1))
+
+    wait_until(drawn_as_served, timeout=20)
+
+    # Every chart marks the loads and the eviction on its timeline.
+    charts = page.locator("#charts figure.chart")
+    assert charts.count() >= 3
+    for n in range(charts.count()):
+        chart = charts.nth(n)
+        assert chart.locator('line.mark[data-kind="evict"][data-model="tiny-b"]').count() >= 1
+        assert chart.locator('line.mark[data-kind="load"]').count() >= 3
+    evict_x = float(page.locator('[data-chart="requests"] line.mark[data-kind="evict"]')
+                    .last.get_attribute("x1") or 0)
+    load_xs = [float(x or 0) for x in page.locator('[data-chart="requests"] '
+                                                    'line.mark[data-kind="load"]')
+               .evaluate_all("lines => lines.map(l => l.getAttribute('x1'))")]
+    assert max(load_xs) >= evict_x  # the third model's load came with the eviction
+
+    # Screenshot-level: the requests chart is drawn, not blank, with its eviction mark in
+    # the mark's own colour and the lines of the models.
+    shot = page.locator('[data-chart="requests"] svg.plot').screenshot()
+    (tmp_path / "history-requests.png").write_bytes(shot)
+    pixels = decoded(browser, shot)[..., :3].astype(int)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 500
+    assert pixels.std() > 10, "the chart is blank"
+    near_evict = (np.abs(pixels - np.array(EVICT_RGB)).sum(axis=2) < 60).sum()
+    assert near_evict >= 50, "no eviction mark in the screenshot"
+    colours = {tuple(p) for p in pixels.reshape(-1, 3)[::7]}
+    assert len(colours) > 20
+    page.screenshot(path=str(tmp_path / "status-page.png"), full_page=True)
     assert not problems, problems
