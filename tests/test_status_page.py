@@ -194,7 +194,7 @@ def history_run(corral: Corral) -> dict[str, Any]:
         assert corral.chat("tiny-a", max_tokens=8).status_code == 200
     # tiny-b was used least recently: loading a third model stops it to make room.
     assert corral.http.post(f"/admin/models/{quote(HOSTILE, safe='')}/load").status_code == 200
-    assert corral.model("tiny-b")["state"] == "stopped"
+    wait_until(lambda: corral.model("tiny-b")["state"] == "stopped", timeout=30)
 
     def sampled() -> dict[str, Any] | None:
         # The requests are in the history once a sample closed their step.
