@@ -69,10 +69,10 @@ def choose_gpus(mem: MemoryView, allowed: Sequence[str], count: int,
     gpus = [g for g in allowed if g in mem.devices and mem.devices[g].kind == "gpu"]
     if not gpus:
         return None
+    # A count of its own (vLLM's parallel size, the GPUs the model's env names): the runtime
+    # splits the model over them its own way (vLLM evenly), so no split of corral's.
     if count and count >= len(allowed) and len(gpus) == len(allowed):
-        fixed = tuple(allowed)
-        return GpuChoice(fixed, tensor_split([tiers[0].get(g, 0) for g in fixed])
-                         if len(fixed) > 1 else ())
+        return GpuChoice(tuple(allowed))
     probe = need_on(GpuChoice((gpus[0],)))
     if not any(n > 0 for d, n in probe.items() if d in mem.devices
                and mem.devices[d].kind == "gpu"):
@@ -86,25 +86,27 @@ def choose_gpus(mem: MemoryView, allowed: Sequence[str], count: int,
         for k in sizes:
             if k > len(usable):
                 break
-            found = _best(_candidates(usable, k, rooms), need_on, rooms, siblings, rule)
+            found = _best(_candidates(usable, k, rooms, not count), need_on, rooms,
+                          siblings, rule)
             if found is not None:
                 return found
     k = min(count or len(usable), len(usable))
-    return _widest(usable, k, tiers[-1])
+    return _widest(usable, k, tiers[-1], not count)
 
 
-def _candidates(usable: list[str], k: int, rooms: Mapping[str, int]) -> list[GpuChoice]:
+def _candidates(usable: list[str], k: int, rooms: Mapping[str, int],
+                split: bool) -> list[GpuChoice]:
     if k == 1:
         return [GpuChoice((g,)) for g in usable]
-    return [_widest(usable, k, rooms)]
+    return [_widest(usable, k, rooms, split)]
 
 
-def _widest(usable: list[str], k: int, rooms: Mapping[str, int]) -> GpuChoice:
-    """The k GPUs with the most room, in index order, split by their room."""
+def _widest(usable: list[str], k: int, rooms: Mapping[str, int], split: bool) -> GpuChoice:
+    """The k GPUs with the most room, in index order, split by their room (`split`)."""
     top = sorted(sorted(usable, key=lambda g: (-rooms.get(g, 0), gpu_index(g)))[:k],
                  key=gpu_index)
     return GpuChoice(tuple(top), tensor_split([rooms.get(g, 0) for g in top])
-                     if k > 1 else ())
+                     if split and k > 1 else ())
 
 
 def _best(candidates: list[GpuChoice], need_on: Callable[[GpuChoice], Footprint],
