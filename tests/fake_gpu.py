@@ -79,7 +79,7 @@ class FileGpu:
                 if len(given) == len(gpus):
                     shares = [float(x) for x in given]
             total = sum(shares) or 1.0
-            out[pid] = {g: data["child_mb"] * s / total for g, s in zip(gpus, shares)}
+            out[pid] = {g: data["child_mb"] * s / total for g, s in zip(gpus, shares, strict=True)}
         return out
 
     def usage_by_pid(self) -> Mapping[int, Mapping[str, int]]:

@@ -14,6 +14,8 @@ the spawned process's own environment and command line (psutil), and in /admin."
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -24,15 +26,16 @@ import psutil
 import pytest
 from fake_gpu import write_driver
 
+from corral.supervisor.config import ConfigError, parse_config
 from corral.supervisor.config.schema.defaults import Defaults
 from corral.supervisor.memory.amd import AmdSmiReader
-from corral.supervisor.memory.devices import load_gpu_reader
+from corral.supervisor.memory.devices import load_gpu_reader, visible_devices_of
 from corral.supervisor.memory.estimate import estimate, model_facts
 from corral.supervisor.memory.placement import GpuChoice
 from corral.supervisor.memory.view import MIB, DeviceView, MemoryView
 from corral.supervisor.policy import Generic, KvCache, ModelView, Snapshot
 
-from conftest import Corral, CorralFactory, tiny_config, wait_until
+from conftest import Corral, CorralFactory, llama_server_binary, tiny_config, wait_until
 
 FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
 TOTAL = 24000  # MiB per GPU; the low watermark (85%) is at 20400
@@ -50,7 +53,8 @@ SIZES: dict[str, tuple[int, int]] = {"a": (3000, 500), "b": (1500, 500), "c": (3
 def on(name: str, choice: GpuChoice) -> dict[str, int]:
     weights, fixed = SIZES[name.split("#")[0]]
     shares = choice.split or (1,) * len(choice.gpus)
-    return {g: (fixed + weights * s // sum(shares)) * MIB for g, s in zip(choice.gpus, shares)}
+    return {g: (fixed + weights * s // sum(shares)) * MIB for g, s in
+            zip(choice.gpus, shares, strict=True)}
 
 
 def everywhere(name: str, kv: KvCache | None) -> dict[str, int]:
@@ -129,6 +133,11 @@ def test_a_pinned_model_runs_on_its_gpus_only() -> None:
     # Best fit alone would say gpu0; the pin says gpu2 or gpu3, and gpu2 is the better fit.
     s = snap([view("p", gpus=("gpu2", "gpu3"))], {**others, "gpu2": 3000})
     assert placed(s, "p") == GpuChoice(("gpu2",))
+    # One whose memory corral cannot weigh on a GPU (a command child): on its GPUs all the
+    # same; unpinned, it is not placed (its environment is left alone).
+    cpu_only = dataclasses.replace(s, estimate_on=lambda name, kv, choice: {"cpu": MIB})
+    assert placed(cpu_only, "p") == GpuChoice(("gpu2", "gpu3"))
+    assert placed(dataclasses.replace(cpu_only, models=(view("a"),)), "a") is None
 
 
 def test_replicas_spread_over_the_gpus_before_sharing_one() -> None:
@@ -166,6 +175,26 @@ def test_models_loaded_together_are_placed_one_after_another() -> None:
     assert Generic().memory_room_for(s, frozenset({"a", "c"})) is None
     reason = Generic().memory_room_for(s, frozenset({"a", "b", "c"}))
     assert reason is not None and "needs" in reason
+
+
+def test_the_docs_example_is_a_valid_config_and_contradictions_are_not() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "multi-gpu.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", page, re.S)
+    assert example is not None
+    loaded = parse_config(example.group(1))
+    assert loaded.models["embed"].gpus == (2, 3) and loaded.models["embed"].replicas_min == 2
+    with pytest.raises(ConfigError) as caught:
+        parse_config("""\
+models:
+  a: {model: a.gguf, gpus: [0], env: {CUDA_VISIBLE_DEVICES: "1"}}
+  b: {backend: vllm, model: /srv/b, tensor_parallel_size: 2, gpus: [3]}
+""")
+    text = "\n".join(str(i) for i in caught.value.issues)
+    assert "models.a.gpus: gpus and env CUDA_VISIBLE_DEVICES both choose the GPUs" in text
+    assert "1 GPU(s) listed but tensor_parallel_size × pipeline_parallel_size needs 2" in text
+    with pytest.raises(ConfigError) as caught:
+        parse_config("models:\n  c: {model: c.gguf, gpus: [1, 1]}\n")
+    assert "gpus lists GPU indices (0, 1, ...), each once" in str(caught.value.issues[0])
 
 
 # -- AMD, through a stand-in of the amdsmi binding -----------------------------------------------
@@ -247,7 +276,7 @@ def test_auto_takes_amdsmi_where_nvml_finds_no_gpu(
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVIDIA driver: import fails
     reader = load_gpu_reader("auto", {}, tmp_path)
     assert [d.name for d in reader.devices()] == ["gpu0", "gpu1"]
-    assert getattr(reader, "visible_devices") == "HIP_VISIBLE_DEVICES"
+    assert visible_devices_of(reader) == "HIP_VISIBLE_DEVICES"
 
 
 def test_without_the_binding_the_amdsmi_reader_reads_no_gpu(
@@ -276,6 +305,12 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
                 "gpu_reader_options": {"path": str(gpu_file)}})
     config["models"]["tiny-b"]["env"] = {"CUDA_VISIBLE_DEVICES": "1"}
     config["models"]["tiny-c"].update(gpus=[0, 1], replicas=2)
+    # Any server: corral cannot weigh its GPU memory, but its pin still confines it.
+    config["models"]["cmd"] = {
+        "backend": "command", "served_name": "tiny-served", "gpus": [1],
+        "command": [llama_server_binary(), "--model", str(tiny_models["tiny-a"]),
+                    "--host", "127.0.0.1", "--port", "${PORT}", "--alias", "tiny-served",
+                    "--ctx-size", "2048", "--threads", "1"]}
     return start_corral_module(config)
 
 
@@ -383,3 +418,11 @@ def test_pinned_replicas_spread_over_their_gpus(corral: Corral, gpu_file: Path) 
     assert seen == ["0", "1"]
     for name, proc in children.items():
         assert admin_gpus(corral, name) == ([int(proc.environ()["CUDA_VISIBLE_DEVICES"])],) * 2
+
+
+def test_a_pinned_command_child_is_confined_to_its_gpu(corral: Corral, gpu_file: Path) -> None:
+    gpus_now(corral, gpu_file, {"gpu0": 1000, "gpu1": 1000})
+    response = corral.chat("cmd", max_tokens=4)
+    assert response.status_code == 200, response.text
+    assert child(corral, "cmd").environ().get("CUDA_VISIBLE_DEVICES") == "1"
+    assert admin_gpus(corral, "cmd") == ([1], [1])

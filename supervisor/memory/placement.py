@@ -171,8 +171,13 @@ class GpuPlacement:
         the same plan)."""
         mem, estimate_on = snap.memory, snap.estimate_on
         view = snap.view(model)
-        if mem is None or estimate_on is None or view is None or view.gpu_count < 0:
+        if view is None or view.gpu_count < 0:
             return None
+        # A pinned model runs on its GPUs even where corral cannot weigh them (no reading
+        # yet, GPUs the reader does not see, a child that holds no GPU memory it knows of).
+        pinned = GpuChoice(view.gpus) if view.gpus else None
+        if mem is None or estimate_on is None:
+            return pinned
         gpus = sorted((d.name for d in mem.devices.values() if d.kind == "gpu"),
                       key=gpu_index)
         allowed = list(view.gpus) if view.gpus else gpus
@@ -206,4 +211,4 @@ class GpuPlacement:
             return estimate_on(model, kv, choice)
 
         return choose_gpus(mem, allowed, view.gpu_count, need_on, tiers, siblings,
-                           mem.gpu_placement, restarting)
+                           mem.gpu_placement, restarting) or pinned
