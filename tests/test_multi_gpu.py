@@ -300,11 +300,12 @@ def gpu_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
            gpu_file: Path) -> Corral:
     config = tiny_config(
-        tiny_models, ["tiny-a", "tiny-b", "tiny-c"], policy={"max_loaded": 6},
+        tiny_models, ["tiny-a", "tiny-b", "tiny-c", "tiny-a2"], policy={"max_loaded": 6},
         memory={"interval": 0.2, "reserve_mb": 0, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
                 "gpu_reader_options": {"path": str(gpu_file)}})
     config["models"]["tiny-b"]["env"] = {"CUDA_VISIBLE_DEVICES": "1"}
     config["models"]["tiny-c"].update(gpus=[0, 1], replicas=2)
+    config["models"]["tiny-a2"]["gpus"] = [1]
     # Any server: corral cannot weigh its GPU memory, but its pin still confines it.
     config["models"]["cmd"] = {
         "backend": "command", "served_name": "tiny-served", "gpus": [1],
@@ -368,17 +369,20 @@ def memory_of(corral: Corral, name: str) -> dict[str, Any]:
     return found
 
 
+def gpu_need(model: Path, gpus: tuple[str, ...], split: tuple[int, ...] = ()) -> float:
+    """MiB a tiny model's child takes on each GPU it uses (the most of them), as corral
+    estimates it with the config's settings."""
+    d = Defaults()
+    found = estimate(model_facts(model), ctx=8192, parallel=d.parallel,
+                     n_gpu_layers=d.n_gpu_layers, cache_type_k=None, cache_type_v=None,
+                     gpus=gpus, split=split)
+    return max(n for g, n in found.devices.items() if g != "cpu") / MIB
+
+
 def test_a_model_no_gpu_can_hold_is_split_over_two(corral: Corral, gpu_file: Path,
                                                    tiny_models: dict[str, Path]) -> None:
-    d = Defaults()
-    facts = model_facts(tiny_models["tiny-a"])
-
-    def need(gpus: tuple[str, ...], split: tuple[int, ...]) -> float:
-        found = estimate(facts, ctx=8192, parallel=d.parallel, n_gpu_layers=d.n_gpu_layers,
-                         cache_type_k=None, cache_type_v=None, gpus=gpus, split=split)
-        return max(n for g, n in found.devices.items() if g != "cpu") / MIB
-
-    one, two = need(("gpu0",), ()), need(("gpu0", "gpu1"), (50, 50))
+    path = tiny_models["tiny-a"]
+    one, two = gpu_need(path, ("gpu0",)), gpu_need(path, ("gpu0", "gpu1"), (50, 50))
     assert two < one  # the layers' share is what a second GPU takes off the first
     room = (one + two) / 2  # on each GPU: one is not enough, two are
     low_line = TOTAL * 0.85
@@ -426,3 +430,22 @@ def test_a_pinned_command_child_is_confined_to_its_gpu(corral: Corral, gpu_file:
     assert response.status_code == 200, response.text
     assert child(corral, "cmd").environ().get("CUDA_VISIBLE_DEVICES") == "1"
     assert admin_gpus(corral, "cmd") == ([1], [1])
+
+
+def test_eviction_makes_room_on_the_gpu_the_load_needs(corral: Corral, gpu_file: Path,
+                                                       tiny_models: dict[str, Path]) -> None:
+    one = gpu_need(tiny_models["tiny-a"], ("gpu0",))
+    room = 1.5 * one  # each GPU holds one tiny model, not two
+    low_line = TOTAL * 0.85
+    gpus_now(corral, gpu_file, {"gpu0": low_line - room, "gpu1": low_line - room})
+    for name in ("tiny-a", "tiny-b"):  # tiny-a on gpu0 (the first of two equal fits),
+        assert corral.chat(name, max_tokens=4).status_code == 200  # tiny-b on gpu1 (its env)
+    assert admin_gpus(corral, "tiny-a")[0] == [0] and admin_gpus(corral, "tiny-b")[0] == [1]
+    # tiny-a2 is pinned to gpu1: tiny-b makes way there, though tiny-a was used longer ago.
+    response = corral.chat("tiny-a2", max_tokens=4)
+    assert response.status_code == 200, response.text
+    states = {n: corral.model(n)["state"] for n in ("tiny-a", "tiny-b", "tiny-a2")}
+    assert states == {"tiny-a": "ready", "tiny-b": "stopped", "tiny-a2": "ready"}, states
+    stops = [e for e in corral.log_events("instance.stop") if e["model"] == "tiny-b"]
+    assert stops and "tiny-a2" in stops[-1]["reason"]
+    assert admin_gpus(corral, "tiny-a2") == ([1], [1])
