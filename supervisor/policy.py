@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from corral.supervisor.memory.placement import GpuChoice, GpuPlacement
 from corral.supervisor.memory.view import Footprint, MemoryView, mib
 from corral.supervisor.plugins import PluginError, load_object
 
@@ -62,6 +63,10 @@ class ModelView:
     kv_adaptive: bool = False
     kv_hold: float = 0.0  # seconds of calm before stepping back up
     kv_changing: bool = False  # a restart for a KV change is under way
+    # GPUs it may run on (pinned; empty: any) and how many it takes: exactly that many (a
+    # vLLM model's tensor × pipeline parallel), 0 the fewest that fit, -1 not placed.
+    gpus: tuple[str, ...] = ()
+    gpu_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class Snapshot:
     # What a model would take if it started now with these KV types (a pure lookup: the
     # estimate from its file, or what the same settings measured before).
     estimate: Callable[[str, KvCache | None], Footprint] | None = None
+    # The same, on the GPUs of a choice (multi-GPU placement, memory/placement.py).
+    estimate_on: Callable[[str, KvCache | None, GpuChoice], Footprint] | None = None
 
     @cached_property
     def _by_name(self) -> dict[str, ModelView]:
@@ -167,19 +174,17 @@ class Strategy(Protocol):
         """KV cache types for the start of `model` about to happen (None: as configured)."""
         ...
 
-    # Optional (a plugin without it gets BaseStrategy's):
-    # def relieve(self, snap: Snapshot) -> list[Relief]:
-    #     """What to do about memory pressure now: evict, or step a model's KV cache down
-    #     (or, once the pressure is gone, back up)."""
+    # Optional (a plugin without them gets BaseStrategy's): relieve(snap) -> list[Relief],
+    # what to do about memory pressure now; gpus_for (memory/placement.py).
 
 
 class StrategyError(ValueError):
     """A strategy that cannot be built from the config (the message says why)."""
 
 
-class BaseStrategy:
+class BaseStrategy(GpuPlacement):
     """On demand, LRU + TTL, over pools. Subclasses override `pools` and `keep_loaded` to
-    shape placement, or any single decision."""
+    shape placement, or any single decision (`gpus_for`: which GPUs a start uses)."""
 
     name = "generic"
 
@@ -223,17 +228,23 @@ class BaseStrategy:
             return 0
         pool = mem.pool_of(snap.groups, snap.model_of(view.name))
         for level, kv in enumerate(view.kv_ladder):
-            need = snap.estimate(view.name, kv)
+            need = self.need(snap, view.name, kv)
             if all(n <= mem.pool_capacity(mem.devices[d], pool)
                    for d, n in need.items() if d in mem.devices):
                 return level
         return len(view.kv_ladder) - 1
 
-    def need(self, snap: Snapshot, model: str) -> Footprint:
-        """Memory `model` takes if it starts now (with the KV types it would get)."""
+    def need(self, snap: Snapshot, model: str, kv: KvCache | None = None,
+             extra: Mapping[str, int] | None = None) -> Footprint:
+        """Memory `model` takes if it starts now (with `kv`, else the KV types it would
+        get), on the GPUs it would get (`extra`: see gpus_for)."""
         if snap.estimate is None:
             return {}
-        return snap.estimate(model, self.kv_cache(snap, model))
+        kv = kv or self.kv_cache(snap, model)
+        choice = self.gpus_for(snap, model, kv, extra)
+        if choice is not None and snap.estimate_on is not None:
+            return snap.estimate_on(model, kv, choice)
+        return snap.estimate(model, kv)
 
     # -- derived decisions -------------------------------------------------------------------------
 
@@ -446,31 +457,6 @@ class BaseStrategy:
                     f"{held} but max_loaded is {snap.max_loaded}")
         return self.memory_room_for(snap, together)
 
-    def memory_room_for(self, snap: Snapshot, models: frozenset[str]) -> str | None:
-        """None when `models` fit in memory together (what is loaded at what it holds, the
-        rest at what it would take), each in its budget."""
-        mem = snap.memory
-        if mem is None or snap.estimate is None:
-            return None
-        total: dict[tuple[str | None, str], int] = {}
-        for model in sorted(models):
-            view = snap.view(model)
-            footprint = view.footprint if view is not None and view.loaded \
-                else self.need(snap, model)
-            pool = mem.pool_of(snap.groups, snap.model_of(model))
-            for device_name, n in footprint.items():
-                total[(pool, device_name)] = total.get((pool, device_name), 0) + n
-        for (pool, device_name), n in sorted(total.items(), key=lambda kv: str(kv[0])):
-            found = mem.devices.get(device_name)
-            if found is None:
-                continue
-            capacity = mem.pool_capacity(found, pool)
-            if n > capacity:
-                where = f"group {pool}'s budget" if pool else "the shared budget"
-                return (f"needs {mib(n)} on {device_name} for {', '.join(sorted(models))} "
-                        f"at once but {where} there is {mib(capacity)}")
-        return None
-
     def expired(self, snap: Snapshot) -> list[str]:
         kept = self.kept_views(snap)
         return [v.name for v in snap.models
@@ -488,7 +474,6 @@ class Generic(BaseStrategy):
     """On demand, LRU + TTL; groups marked `pinned: true` stay loaded."""
 
     name = "generic"
-
 
 
 class PinnedGroup(BaseStrategy):

@@ -313,8 +313,13 @@ def test_estimate_places_layers_like_llama_cpp() -> None:
     args = {"ctx": 4096, "parallel": 1, "cache_type_k": None, "cache_type_v": None}
     one = estimate(f, n_gpu_layers=-1, **args, gpus=["gpu0"])
     two = estimate(f, n_gpu_layers=-1, **args, gpus=["gpu0", "gpu1"])
-    # 11 blocks each; the output layer follows the last block to the last GPU
-    assert two.devices["gpu1"] - two.devices["gpu0"] == f.output_bytes
+    # llama.cpp shares out the 22 blocks and the output layer as 23 offloaded layers: block
+    # il to gpu0 while il / 23 < 0.5, so 12 blocks there, 10 and the output on gpu1
+    block = f.layer_bytes[0] + kv_bytes(f, 4096, "f16", "f16") // 22
+    assert two.devices["gpu1"] - two.devices["gpu0"] == f.output_bytes - 2 * block
+    # a --tensor-split of 1,3: a quarter of the 23 layers (0..5) on gpu0
+    split = estimate(f, n_gpu_layers=-1, **args, gpus=["gpu0", "gpu1"], split=[1, 3])
+    assert split.devices["gpu0"] - two.devices["gpu0"] == -6 * block
     assert two.weights == one.weights == f.weight_bytes
     assert two.devices["cpu"] == one.devices["cpu"]
     # -ngl 22 (= n_layer): every block offloaded, the output layer not

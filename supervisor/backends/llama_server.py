@@ -49,6 +49,10 @@ class LlamaServer:
         if spec.rpc_servers:  # deployed over RPC workers: layers per worker, in their order
             argv += ["--rpc", ",".join(spec.rpc_servers),
                      "--tensor-split", ",".join(str(n) for n in spec.tensor_split)]
+        elif len(spec.gpu_split) > 1 and not {"-ts", "--tensor-split"} & set(spec.args):
+            # Placed on several GPUs: each one's share of the layers, in the order
+            # CUDA_VISIBLE_DEVICES lists them (the estimate split them the same way).
+            argv += ["--tensor-split", ",".join(str(n) for n in spec.gpu_split)]
         argv += spec.args
         return argv
 
@@ -75,7 +79,8 @@ class LlamaServer:
                                        weights=0, kv=0)
         return estimate(facts, ctx=spec.ctx, parallel=spec.parallel,
                         n_gpu_layers=spec.n_gpu_layers, cache_type_k=kv[0],
-                        cache_type_v=kv[1], gpus=gpus)
+                        cache_type_v=kv[1], gpus=gpus,
+                        split=spec.gpu_split if len(spec.gpu_split) == len(gpus) else ())
 
     def usable_kv_steps(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
         """A quantized type stores blocks of 32 values, and llama.cpp refuses it when the

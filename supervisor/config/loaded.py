@@ -47,7 +47,7 @@ class LoadedConfig:
     strategy: PluginChoice = field(default_factory=lambda: PluginChoice("generic"))
     # Members of groups marked `pinned: true`.
     pinned: frozenset[str] = frozenset()
-    gpu_reader: PluginChoice = field(default_factory=lambda: PluginChoice("nvml"))
+    gpu_reader: PluginChoice = field(default_factory=lambda: PluginChoice("auto"))
     # The folder discovery read (models_dir, relative to the file that set it); None: none.
     models_folder: Path | None = None
 

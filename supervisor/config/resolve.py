@@ -146,6 +146,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             rpc_workers=tuple(m.rpc.workers) if m.rpc else (),
             rpc_split=tuple(m.rpc.split) if m.rpc and isinstance(m.rpc.split, list) else None,
             rpc_threads=m.rpc.threads if m.rpc else 1,
+            gpus=tuple(m.gpus or ()),
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}

@@ -88,6 +88,12 @@ class ModelSpec:
     rpc_threads: int = 1
     rpc_servers: tuple[str, ...] = ()  # host:port per worker, set when deployed
     tensor_split: tuple[int, ...] = ()  # layers per worker, set when deployed
+    # GPUs (indices) the model is pinned to; empty: any.
+    gpus: tuple[int, ...] = ()
+    # Where a start placed it ("gpu0", ...; None: not placed, every GPU as before) and each
+    # GPU's share of its layers (percent, `--tensor-split`; empty on one GPU). Set at a start.
+    placed_gpus: tuple[str, ...] | None = None
+    gpu_split: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

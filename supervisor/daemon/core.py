@@ -135,6 +135,8 @@ class Daemon:
     _view = views_part._view
     _footprint = views_part._footprint
     _estimate = views_part._estimate
+    _estimate_on = views_part._estimate_on
+    _placed = views_part._placed
     _begin_start = views_part._begin_start
     _tune = views_part._tune
     _decide = views_part._decide

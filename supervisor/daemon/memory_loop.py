@@ -13,6 +13,7 @@ import structlog
 from corral.supervisor import policy
 from corral.supervisor import reload as reloading
 from corral.supervisor.instance import LOADED_STATES, State
+from corral.supervisor.instance.view import gpus_of
 from corral.supervisor.memory.view import MIB
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ def memory_status(self: Daemon) -> dict[str, Any]:
             spec = inst.spec
             models.append({
                 "name": inst.name, "state": str(inst.state), "pid": inst.pid,
+                "gpus": gpus_of(inst),
                 **self.memory.describe(inst),
                 "footprint_mib": {d: _mib(b) for d, b in self._footprint(inst).items()},
                 "cache_type_k": inst.started_with.cache_type_k or "f16",
@@ -144,7 +146,7 @@ def memory_status(self: Daemon) -> dict[str, Any]:
         "budgets_mb": dict(cfg.budgets),
         "calm_for": round(view.calm_for, 1) if view else None,
         "sampled_ago": round(now - sample.at, 2) if sample else None,
-        "gpu_reader": cfg.gpu_reader,
+        "gpu_reader": cfg.gpu_reader, "gpu_placement": cfg.gpu_placement,
         "models": models,
     }
 

@@ -13,6 +13,8 @@ from corral.supervisor import policy
 from corral.supervisor.backends import BACKENDS
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.instance import LOADED_STATES, Instance, State
+from corral.supervisor.memory.devices import CUDA_VISIBLE, visible_devices_of
+from corral.supervisor.memory.placement import GpuChoice
 from corral.supervisor.memory.view import Footprint
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ def _snapshot(self: Daemon, now: float | None = None) -> policy.Snapshot:
         ) for rs in self.models.values() if rs.incoming is not None)
     snap = self.loaded.snapshot(views, now)
     return dataclasses.replace(snap, memory=self.memory.view(self._live(), now),
-                               estimate=self._estimate)
+                               estimate=self._estimate, estimate_on=self._estimate_on)
 
 def _live(self: Daemon) -> list[Instance]:
     return [i for i in self._everyone() if i.pid is not None and i.state in LOADED_STATES]
@@ -81,7 +83,46 @@ def _view(self: Daemon, i: Instance) -> policy.ModelView:
         kv_adaptive=spec.kv_adaptive,
         kv_hold=spec.kv_hold,
         kv_changing=for_kv or restarting or (rs is not None and rs.incoming is not None),
+        **_gpu_request(spec),
     )
+
+
+# What a child's runtime reads to choose its GPUs (NVIDIA's, AMD's HIP and ROCr).
+_VISIBLE_VARS = (CUDA_VISIBLE, "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _gpu_request(spec: ModelSpec) -> dict[str, Any]:
+    """The view's `gpus` and `gpu_count`: a pin, a vLLM model's parallel size, or the GPUs
+    the model's own env names (CUDA_VISIBLE_DEVICES=1,2: it runs on exactly those, and is
+    counted there; a value that is not indices, say GPU UUIDs, leaves it unplaced)."""
+    if spec.backend == "remote" or spec.rpc_workers:
+        return {"gpu_count": -1}  # nothing here, or its layers on RPC workers
+    own = next((spec.env[v] for v in _VISIBLE_VARS if v in spec.env), None)
+    if own is not None:
+        parts = [p.strip() for p in own.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() for p in parts):
+            return {"gpu_count": -1}
+        return {"gpus": tuple(f"gpu{p}" for p in parts), "gpu_count": len(parts)}
+    count = spec.tensor_parallel_size * spec.pipeline_parallel_size \
+        if spec.backend == "vllm" else 0
+    return {"gpus": tuple(f"gpu{i}" for i in spec.gpus), "gpu_count": count}
+
+
+def _placed(self: Daemon, spec: ModelSpec, choice: GpuChoice | None,
+            env: bool = False) -> ModelSpec:
+    """`spec` on the GPUs of `choice`; with `env`, for the start: the child is confined
+    to them (CUDA_VISIBLE_DEVICES in NVML's PCI bus order, or the reader's variable),
+    unless the model's env already names its GPUs."""
+    if choice is None:
+        return spec
+    placed = dataclasses.replace(spec, placed_gpus=choice.gpus, gpu_split=choice.split)
+    if not env or any(v in spec.env for v in _VISIBLE_VARS):
+        return placed
+    var = visible_devices_of(self.runtime.gpu_reader)
+    extra = {var: ",".join(str(i) for i in choice.indices)}
+    if var == CUDA_VISIBLE and "CUDA_DEVICE_ORDER" not in spec.env:
+        extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return dataclasses.replace(placed, env={**spec.env, **extra})
 
 def _footprint(self: Daemon, inst: Instance) -> Footprint:
     return self.memory.footprint(inst) if inst.state in LOADED_STATES else {}
@@ -89,27 +130,58 @@ def _footprint(self: Daemon, inst: Instance) -> Footprint:
 def _estimate(self: Daemon, name: str, kv: policy.KvCache | None) -> Footprint:
     """The snapshot's estimate: what `name` (a model, a replica, "<m> (new)") takes when
     started with `kv` (None: its configured types)."""
-    base = name.removesuffix(" (new)")
-    inst: Instance | None
-    if base != name:
-        rs = self.models.get(base)
-        inst = rs.incoming if rs is not None else None
-    else:
-        inst = self._loaded_member(base)
+    inst = _instance_of(self, name)
     if inst is None:
         return {}
     spec = inst.spec
+    if inst.state in LOADED_STATES and inst.started_with.placed_gpus is not None:
+        # Where it runs (a KV step's saving is counted there).
+        spec = dataclasses.replace(spec, placed_gpus=inst.started_with.placed_gpus,
+                                   gpu_split=inst.started_with.gpu_split)
     return self.memory.need(spec, (kv.type_k or spec.cache_type_k,
                                    kv.type_v or spec.cache_type_v) if kv else
                             (spec.cache_type_k, spec.cache_type_v))
 
+def _estimate_on(self: Daemon, name: str, kv: policy.KvCache | None,
+                 choice: GpuChoice) -> Footprint:
+    """The snapshot's estimate of `name` started with `kv` on the GPUs of `choice`."""
+    inst = _instance_of(self, name)
+    if inst is None:
+        return {}
+    spec = self._placed(inst.spec, choice)
+    return self.memory.need(spec, (kv.type_k or spec.cache_type_k,
+                                   kv.type_v or spec.cache_type_v) if kv else
+                            (spec.cache_type_k, spec.cache_type_v))
+
+def _instance_of(self: Daemon, name: str) -> Instance | None:
+    """The instance behind a view's name (a model, a replica, "<m> (new)")."""
+    base = name.removesuffix(" (new)")
+    if base != name:
+        rs = self.models.get(base)
+        return rs.incoming if rs is not None else None
+    return self._loaded_member(base)
+
 def _begin_start(self: Daemon, inst: Instance, snap: policy.Snapshot, view_name: str,
                  reason: str = "demand") -> None:
-    """Start `inst` with the KV types the strategy picks for it; it counts at its
-    estimate until measured."""
+    """Start `inst` with the KV types the strategy picks for it, on the GPUs it picks;
+    it counts at its estimate until measured."""
     kv = self._decide("kv_cache", None, snap, view_name)
+    strategy: Any = self.runtime.strategy
+    chooser = strategy if callable(getattr(strategy, "gpus_for", None)) else policy.Generic()
+    try:
+        choice: GpuChoice | None = chooser.gpus_for(snap, view_name, kv)
+    except Exception:  # a plugin's bad answer: the child starts unplaced, as before
+        log.exception("daemon.gpu_choice_failed", model=inst.name)
+        choice = None
+
+    def tune(spec: ModelSpec) -> ModelSpec:
+        return self._tune(self._placed(spec, choice, env=True))
+
     inst.begin_start(self._http(), self._on_spawn, (kv.type_k, kv.type_v) if kv else None,
-                     tune=self._tune, reason=reason)
+                     tune=tune, reason=reason)
+    if choice is not None:
+        log.info("daemon.gpus_chosen", model=inst.name, gpus=list(choice.indices),
+                 split=list(choice.split) or None)
     self.memory.started(inst)
 
 def _tune(self: Daemon, spec: ModelSpec) -> ModelSpec:

@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from corral.supervisor.instance.state import LOADED_STATES
+from corral.supervisor.memory.placement import gpu_index
 from corral.supervisor.port import State
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         "cache_type_v": self.started_with.cache_type_v,
         # vLLM's share of each GPU it uses (None: not on a GPU, or vLLM's default)
         "gpu_memory_utilization": self.started_with.gpu_memory_utilization,
+        # The GPUs (indices) its child runs on (None: not placed, or not running)
+        "gpus": gpus_of(self),
         # RPC workers with the layers each holds (None: not split over workers)
         "rpc": self._rpc_state(),
         "ttl": self.spec.ttl,
@@ -63,6 +66,14 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         "stop_pending": self.stop_pending,
         "prompt_cache": _prompt_cache(self),
     }
+
+
+def gpus_of(self: Instance) -> list[int] | None:
+    """The GPU indices a running child was placed on (None: not placed, or not running)."""
+    placed = self.started_with.placed_gpus
+    if self.state not in LOADED_STATES or placed is None:
+        return None
+    return [gpu_index(g) for g in placed]
 
 
 def _what_it_serves(self: Instance) -> str:

@@ -1,9 +1,12 @@
-"""Memory devices and what each child holds on them: GPUs through NVML (nvidia-ml-py), RAM
-through psutil. Readers only read; deciding what the numbers mean is the policy's job.
+"""Memory devices and what each child holds on them: NVIDIA GPUs through NVML (nvidia-ml-py),
+AMD GPUs through amdsmi (memory/amd.py), RAM through psutil. Readers only read; deciding what
+the numbers mean is the policy's job.
 
-A device is named "cpu" (RAM) or "gpu<N>" (NVML's index). The GPU reader is an interface: a
-machine without an NVIDIA driver has none, and a test (or a box with another vendor's GPUs)
-plugs in its own as `memory.gpu_reader: plugin:module:Class` or `plugin:file.py:Class`.
+A device is named "cpu" (RAM) or "gpu<N>" (the reader's index). The GPU reader is an
+interface: `auto` takes NVML where it finds GPUs, else amdsmi, else none; a test (or a box
+with another vendor's GPUs) plugs in its own as `memory.gpu_reader: plugin:module:Class` or
+`plugin:file.py:Class`. A reader may say which environment variable confines a child to some
+of its GPUs (`visible_devices`; default CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from corral.supervisor.plugins import PluginError, load_object
 
 log = structlog.get_logger("corral.memory")
 
-__all__ = ["Device", "GpuReader", "NoGpus", "NvmlReader", "RamReader", "load_gpu_reader"]
+__all__ = ["CUDA_VISIBLE", "AutoGpus", "Device", "GpuReader", "NoGpus", "NvmlReader",
+           "RamReader", "load_gpu_reader", "visible_devices_of"]
+
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,19 @@ class NoGpus:
         return {}
 
 
+def visible_devices_of(reader: GpuReader) -> str:
+    """The variable that confines a child to some of `reader`'s GPUs."""
+    found = getattr(reader, "visible_devices", CUDA_VISIBLE)
+    return found if isinstance(found, str) and found else CUDA_VISIBLE
+
+
 class NvmlReader:
     """NVIDIA GPUs through NVML. Without a driver (no libnvidia-ml) it reads no GPUs and says
-    so once in the log; it never raises into the daemon."""
+    so once in the log; it never raises into the daemon. NVML numbers GPUs in PCI bus order;
+    a child placed on some gets CUDA_VISIBLE_DEVICES with CUDA_DEVICE_ORDER=PCI_BUS_ID, so
+    CUDA numbers them the same way (its default, fastest first, may not)."""
+
+    visible_devices = CUDA_VISIBLE
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self._lock = threading.Lock()  # NVML calls come from worker threads
@@ -163,14 +179,53 @@ class RamReader:
         return out
 
 
+class AutoGpus:
+    """`gpu_reader: auto`: NVML where it finds GPUs, else amdsmi, else none; chosen at the
+    first read (from the sampler's thread) and kept."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._chosen: GpuReader | None = None
+
+    def _reader(self) -> GpuReader:
+        with self._lock:
+            if self._chosen is None:
+                from corral.supervisor.memory.amd import AmdSmiReader
+
+                chosen: GpuReader = NoGpus()
+                for candidate in (NvmlReader(), AmdSmiReader()):
+                    if candidate.devices():
+                        chosen = candidate
+                        break
+                self._chosen = chosen
+            return self._chosen
+
+    @property
+    def visible_devices(self) -> str:
+        # Read on the event loop: never the first read of the devices (that blocks).
+        return visible_devices_of(self._chosen) if self._chosen is not None else CUDA_VISIBLE
+
+    def devices(self) -> list[Device]:
+        return self._reader().devices()
+
+    def usage_by_pid(self) -> Mapping[int, Mapping[str, int]]:
+        return self._reader().usage_by_pid()
+
+
 def load_gpu_reader(spec: str, options: Mapping[str, Any], base_dir: Path) -> GpuReader:
-    """`nvml` (default), `none`, or a plugin class built with `options`."""
+    """`auto` (default), `nvml`, `amdsmi`, `none`, or a plugin class built with `options`."""
+    if spec == "auto":
+        return AutoGpus(options)
     if spec == "nvml":
         return NvmlReader(options)
+    if spec == "amdsmi":
+        from corral.supervisor.memory.amd import AmdSmiReader
+
+        return AmdSmiReader(options)
     if spec == "none":
         return NoGpus()
     if not spec.startswith("plugin:"):
-        raise PluginError(f"unknown gpu_reader {spec!r}; expected nvml, none, "
+        raise PluginError(f"unknown gpu_reader {spec!r}; expected auto, nvml, amdsmi, none, "
                           f"plugin:package.module:Class or plugin:file.py:Class")
     cls = load_object(spec, base_dir)
     try:

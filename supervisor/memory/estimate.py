@@ -18,6 +18,7 @@ Q4_0/IQ4_NL weights on CPUs that repack them.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import re
@@ -375,14 +376,29 @@ class _Tally:
                         k.get("compute", 0), k.get("overhead", 0), source)
 
 
-def _layer_devices(n_layer: int, n_gpu_layers: int, gpus: Sequence[str]) -> list[str]:
-    """Each block's device: llama.cpp offloads the LAST n_gpu_layers blocks. They are split
-    evenly across the GPUs here; llama.cpp splits in proportion to free memory (equal GPUs,
-    equally free: the same split)."""
-    n_off = 0 if not gpus else n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
-    first = n_layer - n_off
-    return ["cpu" if il < first else gpus[(il - first) * len(gpus) // n_off]
-            for il in range(n_layer)]
+def _layer_devices(n_layer: int, n_gpu_layers: int, gpus: Sequence[str],
+                   split: Sequence[float] = ()) -> list[str]:
+    """Each block's device, and the output layer's as the last entry (index n_layer), as
+    llama.cpp's llama_model::load_tensors assigns them: the last n_gpu_layers blocks (all,
+    and the output layer too, with -1 or more than n_layer) go to the GPUs, block il to the
+    first GPU whose cumulative share of `split` (`--tensor-split`; empty: even) exceeds
+    (il - first) / offloaded, where offloaded counts the output layer when it goes too."""
+    if not gpus:
+        return ["cpu"] * (n_layer + 1)
+    offloaded = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
+    first = max(0, n_layer - offloaded)
+    weights = [float(w) for w in split] if len(split) == len(gpus) and sum(split) > 0 \
+        else [1.0] * len(gpus)
+    total = sum(weights)
+    bounds = [sum(weights[:i + 1]) / total for i in range(len(weights))]
+    out = []
+    for il in range(n_layer + 1):
+        if il < first or il - first >= offloaded:
+            out.append("cpu")
+            continue
+        at = (il - first) / offloaded
+        out.append(gpus[min(bisect.bisect_right(bounds, at), len(gpus) - 1)])
+    return out
 
 
 def _attn_bytes(facts: ModelFacts, cells: int, n_ubatch: int, flash_attn: bool) -> int:
@@ -402,17 +418,19 @@ def _compute_bytes(facts: ModelFacts, cells: int, n_ubatch: int, flash_attn: boo
 
 def estimate(facts: ModelFacts, *, ctx: int, parallel: int, n_gpu_layers: int,
              cache_type_k: str | None, cache_type_v: str | None,
-             gpus: Sequence[str] = (), flash_attn: bool | None = None) -> Estimate:
+             gpus: Sequence[str] = (), flash_attn: bool | None = None,
+             split: Sequence[float] = ()) -> Estimate:
     """Pure arithmetic on the GGUF facts, per device, for llama-server's defaults (n_ubatch
     512, one KV stream per slot, mmap).
 
     ctx 0 means n_ctx_train (as llama-server does); cache types None mean f16; n_gpu_layers -1
     means all. With no gpus everything is on "cpu". The last n_gpu_layers blocks go to the
-    gpus (evenly split, see _layer_devices), each with its KV; the output layer goes to the
-    last gpu only when all blocks and the output are offloaded (n_gpu_layers -1 or > n_layer),
-    as llama.cpp does; token_embd always stays on the CPU. flash_attn None: what `-fa auto`
-    gives on CPU (on); with gpus assumed off unless V is quantized (which forces it on) — the
-    bigger figure, and what the GPU.md build did.
+    gpus, shared out as llama.cpp does by `split` (`--tensor-split`; empty: even), each with
+    its KV; the output layer goes to a GPU (the last, but for a tiny last share) only when all
+    blocks and the output are offloaded (n_gpu_layers -1 or > n_layer); token_embd always
+    stays on the CPU. flash_attn None: what `-fa auto` gives on CPU (on); with gpus assumed
+    off unless V is quantized (which forces it on) — the bigger figure, and what the GPU.md
+    build did.
     """
     n_ctx = ctx or facts.n_ctx_train
     parallel = max(1, parallel)
@@ -421,8 +439,7 @@ def estimate(facts: ModelFacts, *, ctx: int, parallel: int, n_gpu_layers: int,
     type_k, type_v = cache_type_k or "f16", cache_type_v or "f16"
     if flash_attn is None:
         flash_attn = not gpus or KV_TYPE_BYTES.get(type_v.lower(), 2) < 2
-    layer_dev = _layer_devices(facts.n_layer, n_gpu_layers, gpus)
-    output_dev = gpus[-1] if gpus and (n_gpu_layers < 0 or n_gpu_layers > facts.n_layer) else "cpu"
+    *layer_dev, output_dev = _layer_devices(facts.n_layer, n_gpu_layers, gpus, split)
     tally = _Tally({}, {})
     _place_weights_and_kv(tally, facts, layer_dev, output_dev, cells, parallel, n_ubatch,
                           type_k, type_v)

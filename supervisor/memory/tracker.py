@@ -65,6 +65,13 @@ class Record:
     served: bool = False  # answered a request: its weights are paged in, its peak is real
 
 
+# Set by placement at a start: the GPUs in the key say the same.
+_PLACEMENT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                            "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+# Estimates kept (each start key once); split shares vary with free memory, so bounded.
+_ESTIMATES_KEPT = 512
+
+
 def start_key(spec: ModelSpec, kv: KvTypes, gpus: tuple[str, ...]) -> tuple[Any, ...]:
     """What decides a child's memory: the same key takes the same memory every time."""
     try:
@@ -72,9 +79,10 @@ def start_key(spec: ModelSpec, kv: KvTypes, gpus: tuple[str, ...]) -> tuple[Any,
         version: tuple[int, int] = (stat.st_mtime_ns, stat.st_size)
     except OSError:
         version = (0, 0)
+    env = tuple(sorted((k, v) for k, v in spec.env.items() if k not in _PLACEMENT_ENV))
     return (str(spec.model_path), version, spec.backend, spec.binary, spec.ctx, spec.parallel,
-            spec.n_gpu_layers, kv[0] or "f16", kv[1] or "f16", gpus, spec.args,
-            str(spec.mmproj), tuple(sorted(spec.env.items())), spec.model_id, spec.command,
+            spec.n_gpu_layers, kv[0] or "f16", kv[1] or "f16", gpus, spec.gpu_split,
+            spec.args, str(spec.mmproj), env, spec.model_id, spec.command,
             spec.tensor_parallel_size, spec.pipeline_parallel_size)
 
 
@@ -158,7 +166,8 @@ class MemoryTracker:
                 record.peak[device] = max(record.peak.get(device, 0), used)
             record.served = child.served > 0
             if record.served:
-                key = start_key(child.started_with, _kv_of(child.started_with), self.gpus)
+                spec = child.started_with
+                key = start_key(spec, _kv_of(spec), self.gpus_of(spec))
                 self._learned[key] = dict(self._charge(record))
         if self._pressured(sample):
             self._calm_since = None
@@ -177,6 +186,10 @@ class MemoryTracker:
             return ()
         return tuple(sorted(n for n, d in self.sample.devices.items() if d.kind == "gpu"))
 
+    def gpus_of(self, spec: ModelSpec) -> tuple[str, ...]:
+        """The GPUs a start of `spec` uses: where placement put it, else all of them."""
+        return spec.placed_gpus if spec.placed_gpus is not None else self.gpus
+
     def device_free(self) -> dict[str, int]:
         """Free bytes of each device ("cpu", "gpu0"...), as last read."""
         if self.sample is None:
@@ -192,10 +205,13 @@ class MemoryTracker:
     def estimate_for(self, spec: ModelSpec, kv: KvTypes) -> Estimate | None:
         """The backend's estimate from the model's files for these settings (None: they
         cannot be read; logged once)."""
-        key = start_key(spec, kv, self.gpus)
+        gpus = self.gpus_of(spec)
+        key = start_key(spec, kv, gpus)
         if key not in self._estimates:
+            while len(self._estimates) >= _ESTIMATES_KEPT:  # the oldest first
+                del self._estimates[next(iter(self._estimates))]
             try:
-                self._estimates[key] = backend_for(spec.backend).estimate(spec, kv, self.gpus)
+                self._estimates[key] = backend_for(spec.backend).estimate(spec, kv, gpus)
             except Exception as exc:  # a file we cannot read is no reason to fail a request
                 self._note_estimate_error(spec, exc)
                 self._estimates[key] = None
@@ -234,7 +250,7 @@ class MemoryTracker:
     def need(self, spec: ModelSpec, kv: KvTypes) -> Footprint:
         """What a start with these settings takes: what the same settings took before, else
         the estimate. Empty when neither is known (it is then not counted)."""
-        learned = self._learned.get(start_key(spec, kv, self.gpus))
+        learned = self._learned.get(start_key(spec, kv, self.gpus_of(spec)))
         if learned is not None:
             return learned
         found = self.estimate_for(spec, kv)
@@ -308,7 +324,7 @@ class MemoryTracker:
         return MemoryView(devices=devices, low_watermark=cfg.low_watermark,
                           critical_watermark=cfg.critical_watermark,
                           budgets={g: int(mb * MIB) for g, mb in cfg.budgets.items()},
-                          calm_for=calm)
+                          calm_for=calm, gpu_placement=cfg.gpu_placement)
 
     def count_kv_change(self, model: str, direction: str) -> None:
         counts = self.kv_changes.setdefault(model, {"down": 0, "up": 0})

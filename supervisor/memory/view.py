@@ -52,6 +52,7 @@ class MemoryView:
     budgets: Mapping[str, int] = field(default_factory=dict)  # group → bytes, per device
     # Seconds every device has stayed below the low watermark (0 while one is above it).
     calm_for: float = 0.0
+    gpu_placement: str = "best-fit"  # or "most-free": see memory/placement.py
 
     def pool_of(self, groups: Mapping[str, tuple[str, ...]], model: str) -> str | None:
         """The budgeted group whose budget `model` lives in (None: the shared rest)."""

@@ -48,7 +48,7 @@ _COMMAND_KEYS = {"backend", "command", "health", "served_name", "memory_mb", "st
                  "queue_timeout", "stop_grace", "first_byte_timeout", "idle_timeout",
                  "health_interval", "health_timeout", "health_failures", "start_backoff",
                  "start_backoff_max", "capabilities", "request", "loading_progress",
-                 "replicas", "model"}
+                 "replicas", "model", "gpus"}
 # What a remote endpoint reads: no process, so no start, stop, health probe or memory keys.
 _REMOTE_KEYS = {"backend", "url", "api_key", "served_name", "aliases", "parallel",
                 "max_queue", "queue_timeout", "first_byte_timeout", "idle_timeout",
@@ -103,6 +103,8 @@ def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[Co
         at: Loc = ("models", name)
         if m.rpc is not None:
             _check_rpc(config, m, at, problem)
+        if m.gpus is not None:
+            _check_gpus(m, at, problem)
         if m.backend in ("command", "remote"):
             _check_foreign(m, at, problem)
             continue
@@ -116,6 +118,26 @@ def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[Co
             _check_vllm(m, models[name], at, problem)
         else:
             _check_llama(m, llama_binary(models[name].binary), at, problem)
+
+
+# What a child's runtime reads to pick its GPUs: a model pinned with `gpus` gets them set by
+# corral, so one set by hand as well would contradict it.
+_VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _check_gpus(m: ModelConfig, at: Loc, problem: Callable[[Loc, str], None]) -> None:
+    assert m.gpus is not None
+    for var in _VISIBLE_DEVICES:
+        if var in m.env:
+            problem((*at, "gpus"), f"gpus and env {var} both choose the GPUs: set one (with "
+                                   f"{var} alone corral counts the model on the GPUs it names)")
+    if m.rpc is not None:
+        problem((*at, "gpus"), "a model split over RPC workers runs its layers on the "
+                               "workers: gpus does not apply")
+    wanted = (m.tensor_parallel_size or 1) * (m.pipeline_parallel_size or 1)
+    if m.backend == "vllm" and len(m.gpus) < wanted:
+        problem((*at, "gpus"), f"{len(m.gpus)} GPU(s) listed but tensor_parallel_size × "
+                               f"pipeline_parallel_size needs {wanted}")
 
 
 def _check_foreign(m: ModelConfig, at: Loc, problem: Callable[[Loc, str], None]) -> None:

@@ -33,8 +33,12 @@ class MemoryConfig(BaseModel):
     interval: float = Field(
         2.0, ge=0.1, description="seconds between memory samples (devices and children)")
     gpu_reader: str = Field(
-        "nvml", description="nvml | none | plugin:package.module:Class | plugin:file.py:Class "
+        "auto", description="auto (NVIDIA's NVML where it finds GPUs, else AMD's amdsmi) | "
+        "nvml | amdsmi | none | plugin:package.module:Class | plugin:file.py:Class "
         "(another vendor's GPUs; tests inject numbers this way)")
+    gpu_placement: Literal["best-fit", "most-free"] = Field(
+        "best-fit", description="which GPU a model that fits one goes to: best-fit (the one "
+        "it leaves least free: big holes stay for big models) or most-free")
     gpu_reader_options: SecretOptions = Field(
         SecretOptions(), description="passed to a plugin reader (secret: shown as **********)")
 

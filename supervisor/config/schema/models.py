@@ -133,6 +133,9 @@ class ModelConfig(BaseModel):
     rpc: RpcConfig | None = Field(
         None, description="llama-server: split the layers over rpc-server workers (local "
         "children or peers' ones); the head and its workers start, stop and die together")
+    gpus: list[int] | None = Field(
+        None, min_length=1, description="GPU indices (NVML's / amdsmi's order) this model may "
+        "run on; its replicas spread over them (default: any GPU, placed by free memory)")
     replicas: int | ReplicasConfig = Field(
         1, description="identical children behind this name (least busy first): a number, or "
         "{min, max, scale_after} to scale with the queue and back down on ttl")
@@ -144,6 +147,13 @@ class ModelConfig(BaseModel):
             raise ValueError("replicas is at least 1")
         if isinstance(value, ReplicasConfig) and value.max < value.min:
             raise ValueError(f"replicas.max ({value.max}) is below replicas.min ({value.min})")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (any(i < 0 for i in value) or len(set(value)) != len(value)):
+            raise ValueError("gpus lists GPU indices (0, 1, ...), each once")
         return value
 
     @field_validator("cache_type_k", "cache_type_v")
