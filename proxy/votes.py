@@ -31,7 +31,9 @@ def extract(rule: VoteSpec, text: str) -> str | None:
     if rule.extract == "regex":
         assert rule.regex is not None
         match = re.search(rule.regex, text)
-        value = match.group(1) if match else None
+        # The first group that took part in the match: alternatives can each have their own
+        # (`(\w+) is the capital|capital is (\w+)`).
+        value = next((g for g in match.groups() if g is not None), None) if match else None
     elif rule.extract == "json":
         picked = jsonpath.pick(text, rule.json_path)
         # A number or an object votes as its compact JSON: 4 and 4.0 stay apart, as they

@@ -308,6 +308,9 @@ def test_extraction_rules() -> None:
     regex = rule(extract="regex", regex=r"(?i)answer:\s*(\w+)")
     assert votes.extract(regex, "Thinking...\nAnswer:  Paris.") == "paris"
     assert votes.extract(regex, "no idea") is None
+    either = rule(extract="regex", regex=r"(\w+) is the capital|capital is (\w+)")
+    assert votes.extract(either, "Its capital is Rome.") == "rome"  # the group that matched
+    assert votes.extract(either, "Rome is the capital.") == "rome"
     path = rule(extract="json", json_path=jsonpath.parse("$.items[1]['the answer']"))
     assert votes.extract(path, '{"items": [{}, {"the answer": " Rome "}]}') == "rome"
     assert votes.extract(path, '```json\n{"items": [0, {"the answer": 4}]}\n```') == "4"

@@ -24,8 +24,8 @@ class ExtractConfig(BaseModel):
     model_config = STRICT
 
     regex: str | None = Field(
-        None, description="the first group of the first match is the vote, e.g. "
-        "'(?i)answer:\\s*(\\w+)'; an answer without a match abstains")
+        None, description="the first group that took part in the first match is the vote, "
+        "e.g. '(?i)answer:\\s*(\\w+)'; an answer without a match abstains")
     json_path: str | None = Field(
         None, description="a path into an answer that is JSON, e.g. $.answer or "
         "$.items[0].name (set the group's response_format so members answer JSON)")
