@@ -83,7 +83,7 @@ def carried(kind: str, text: str) -> str | None:
                  if (m := re.search(rf"\b{city}\b", text, re.IGNORECASE))]
         return min(found)[1] if found else None
     if kind == "sum":
-        result = re.search(r"(?:=|\bis|\bequals)\s*(-?\d+)", text)
+        result = re.search(r"(?:[=:]|\bis|\bequals)\s*(-?\d+)", text)
         numbers = re.findall(r"-?\d+", text)
         return result.group(1) if result else numbers[-1] if len(numbers) == 1 else None
     word = re.search(r"(?i)\b(yes|no)\b", text)

@@ -432,7 +432,9 @@ class GroupRunner:
                                     for i, r in enumerate(outcome.responses) if r.ok])
         if rule.similar_model is None:
             return votes.tally_by_value(rule.compare, cast, rule.quorum)
-        texts = [b.vote for b in cast if b.vote is not None]
+        # The answers themselves, as written, unless a value was extracted from them.
+        texts = [b.vote if rule.extract else (outcome.responses[b.index].content or "")
+                 for b in cast if b.vote is not None]
         vectors = await self.embed(outcome, rule.similar_model, texts) if texts else []
         return votes.tally_similar(rule.compare, cast, vectors, rule.threshold, rule.quorum)
 
