@@ -67,8 +67,7 @@ def failed_response(exc: GroupFailed, daemon: Supervisor) -> web.Response:
                 closing=daemon.closing)
     if daemon.closing:  # the members were stopped by the shutdown, not broken
         return http_error(ShuttingDown("corral is shutting down"), extra=details)
-    return error_response(502, str(exc), kind="server_error", code="group_failed",
-                          extra=details)
+    return error_response(502, str(exc), kind="server_error", code=exc.code, extra=details)
 
 
 def _group_name(body: dict[str, Any]) -> str:
@@ -187,7 +186,7 @@ async def chat_with_group(request: web.Request, runner: GroupRunner, group: Grou
     except GroupFailed as exc:
         if not response.prepared:
             return failed_response(exc, runner.daemon)
-        code = "shutting_down" if runner.daemon.closing else "group_failed"
+        code = "shutting_down" if runner.daemon.closing else exc.code
         await out.write(sse.error_event(str(exc), code=code))
         await out.finish()
         return response

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,11 +16,12 @@ from typing import Any
 import aiohttp
 import structlog
 
-from corral.proxy import filters
+from corral.proxy import filters, votes
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
 from corral.proxy.upstream import leased
 from corral.supervisor.config import GroupSpec
+from corral.supervisor.config.specs import VoteSpec
 from corral.supervisor.errors import SupervisorError
 from corral.supervisor.port import Reservation, Supervisor
 from corral.supervisor.templates import render_template
@@ -29,6 +29,7 @@ from corral.supervisor.templates import render_template
 log = structlog.get_logger("corral.groups")
 
 CHAT_PATH = "/v1/chat/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 # Request fields that steer the group itself; everything else goes to every member as is.
 GROUP_FIELDS = frozenset({"group", "models", "template", "stream", "stream_options", "model"})
 
@@ -75,6 +76,7 @@ class GroupOutcome:
     selected: Selection | None = None
     final: str | None = None
     extra_usage: list[dict[str, Any]] = field(default_factory=list)  # judge / synthesizer
+    tally: votes.Tally | None = None  # how the answers voted, for groups that vote
 
     @property
     def ok_count(self) -> int:
@@ -82,7 +84,8 @@ class GroupOutcome:
 
     @property
     def complete(self) -> bool:
-        return self.ok_count >= self.group.required_responses
+        quorum = self.tally is None or self.tally.quorum_met
+        return quorum and self.ok_count >= self.group.required_responses
 
     def answer(self) -> str:
         """The one text a chat completion for this group returns."""
@@ -108,6 +111,8 @@ class GroupOutcome:
             "wall_ms": round(self.wall_ms, 1),
             "responses": [r.as_dict() for r in self.responses],
             "usage": self.usage()}
+        if self.tally is not None:
+            out["vote"] = self.tally.as_dict()
         if self.selected is not None:
             out["selected"] = {"index": self.selected.index, "model": self.selected.model,
                                "reason": self.selected.reason}
@@ -122,10 +127,12 @@ class GroupOutcome:
 
 
 class GroupFailed(Exception):
-    """Not enough members answered (strict: any failure; otherwise: none at all) → 502."""
+    """Not enough members answered (strict: any failure; otherwise: none at all), or not
+    enough agreed (a strict quorum) → 502 with `code`."""
 
-    def __init__(self, message: str, outcome: GroupOutcome):
+    def __init__(self, message: str, outcome: GroupOutcome, code: str = "group_failed"):
         self.outcome = outcome
+        self.code = code
         super().__init__(message)
 
 
@@ -230,6 +237,8 @@ class GroupRunner:
         together = () if group.type == "chain" else group.models
         self.daemon.check_capacity(together, f"group {group.name!r}")
         body = member_body(request)
+        if group.response_format is not None and "response_format" not in body:
+            body["response_format"] = group.response_format
         started = time.monotonic()
         with self.daemon.reserve(together) as held:
             if group.type == "chain":
@@ -241,6 +250,8 @@ class GroupRunner:
         outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
         try:
             self._enforce_fallback(outcome)
+            outcome.tally = await self._vote(group, outcome)
+            self._enforce_quorum(outcome)
         except GroupFailed:
             self._publish(outcome, "failed")
             raise
@@ -257,14 +268,21 @@ class GroupRunner:
         outcome.wall_ms = (time.monotonic() - started) * 1000
         log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
                  members=len(responses), wall_ms=round(outcome.wall_ms, 1))
-        self._publish(outcome, "ok" if outcome.ok_count == len(responses) else "partial")
+        agreed = outcome.tally is None or outcome.tally.quorum_met
+        self._publish(outcome, "ok" if agreed and outcome.ok_count == len(responses)
+                      else "partial")
         return outcome
 
     def _publish(self, outcome: GroupOutcome, result: str) -> None:
         group = outcome.group
+        tally = outcome.tally
+        vote = None if tally is None else {
+            "compare": tally.compare, "agree": tally.agree, "of": tally.voters,
+            "agreement": tally.agreement,
+            "quorum_met": None if tally.quorum is None else tally.quorum_met}
         self.daemon.events.publish(
             "group", group=group.name, type=group.type, result=result,
-            wall_ms=round(outcome.wall_ms, 1),
+            wall_ms=round(outcome.wall_ms, 1), vote=vote,
             members=[{"model": r.model, "status": r.status, "latency_ms": round(r.latency_ms, 1),
                       **({"error": r.error[:300]} if r.error else {})}
                      for r in outcome.responses])
@@ -337,11 +355,15 @@ class GroupRunner:
         if selector == "shortest":
             i, r = min(ok, key=lambda p: len(p[1].content or ""))
             return Selection(i, r.model, f"shortest answer ({len(r.content or '')} chars)")
-        if selector == "majority":
-            votes = Counter(_normalized(r.content) for _, r in ok)
-            top, count = votes.most_common(1)[0]
-            i, r = next(p for p in ok if _normalized(p[1].content) == top)  # first in order
-            return Selection(i, r.model, f"majority: {count} of {len(ok)} answers agree")
+        if selector == "majority" and outcome.tally is not None:
+            tally = outcome.tally
+            if tally.winner is None:  # nothing extracted from any answer: the first stands
+                i, r = ok[0]
+                return Selection(i, r.model, f"majority: {tally.summary()}; first in order")
+            i = tally.winner.centre
+            tie = f"; tie broken by {tally.tie['broken_by']}" if tally.tie else ""
+            return Selection(i, outcome.responses[i].model,
+                             f"majority: {tally.summary()}{tie}")
         i, r = min(ok, key=lambda p: p[1].finished_at)
         return Selection(i, r.model, "first answer to arrive")
 
@@ -376,10 +398,14 @@ class GroupRunner:
                        outcome: GroupOutcome) -> dict[str, Any]:
         messages = list(body.get("messages") or [])
         question = last_user_text(messages)
-        answers = "\n\n".join(f"[Answer {n}] {r.content}"
-                              for n, r in enumerate((r for r in outcome.responses if r.ok), 1))
+        numbered = [(n, i) for n, i in enumerate(
+            (i for i, r in enumerate(outcome.responses) if r.ok), 1)]
+        answers = "\n\n".join(f"[Answer {n}] {outcome.responses[i].content}"
+                              for n, i in numbered)
+        agreed = agreement_note(outcome.tally, dict((i, n) for n, i in numbered))
         prompt = (f"{question}\n\nSeveral assistants answered this independently:\n\n"
-                  f"{answers}\n\nUsing what they agree on, write the single best answer.")
+                  f"{answers}\n\n{agreed}Using what they agree on, write the single best "
+                  "answer.")
         return {**body, "messages": with_user_text(messages, prompt)}
 
     async def _synthesize(self, group: GroupSpec, body: dict[str, Any],
@@ -394,6 +420,66 @@ class GroupRunner:
                               f"{result.error}", outcome)
         outcome.final = result.content
 
+    # -- votes ---------------------------------------------------------------------------------
 
-def _normalized(text: str | None) -> str:
-    return re.sub(r"\s+", " ", (text or "").strip().lower()).rstrip(".!")
+    async def _vote(self, group: GroupSpec, outcome: GroupOutcome) -> votes.Tally | None:
+        rule = group.vote
+        if rule is None:
+            if not (group.type == "fan_out" and group.selector == "majority"):
+                return None
+            rule = VoteSpec()  # a group built by hand (an ad-hoc one): exact text
+        cast = votes.ballots(rule, [(i, r.model, r.content or "")
+                                    for i, r in enumerate(outcome.responses) if r.ok])
+        if rule.similar_model is None:
+            return votes.tally_by_value(rule.compare, cast, rule.quorum)
+        # The answers themselves, as written, unless a value was extracted from them.
+        texts = [b.vote if rule.extract else (outcome.responses[b.index].content or "")
+                 for b in cast if b.vote is not None]
+        vectors = await self.embed(outcome, rule.similar_model, texts) if texts else []
+        return votes.tally_similar(rule.compare, cast, vectors, rule.threshold, rule.quorum)
+
+    async def embed(self, outcome: GroupOutcome, model: str,
+                    texts: list[str]) -> list[list[float]]:
+        """One embedding per text from a model of the herd, leased like any request."""
+        group = outcome.group
+        try:
+            async with asyncio.timeout(group.member_timeout), \
+                    leased(self.daemon, model) as lease:
+                data = await post_json(self.session, lease.base_url + EMBEDDINGS_PATH,
+                                       {"model": model, "input": texts}, model, lease)
+            rows = sorted(data["data"], key=lambda row: row["index"])
+            vectors = [[float(x) for x in row["embedding"]] for row in rows]
+        except TimeoutError as exc:
+            raise GroupFailed(f"group {group.name!r}: embeddings model {model} gave no answer "
+                              f"within {group.member_timeout:g}s", outcome,
+                              "vote_failed") from exc
+        except (SupervisorError, UpstreamFailed, KeyError, TypeError, ValueError) as exc:
+            raise GroupFailed(f"group {group.name!r}: embeddings model {model} failed: "
+                              f"{exc}", outcome, "vote_failed") from exc
+        if len(vectors) != len(texts) or any(not v for v in vectors):
+            raise GroupFailed(f"group {group.name!r}: embeddings model {model} answered "
+                              f"{len(vectors)} vectors for {len(texts)} answers",
+                              outcome, "vote_failed")
+        return vectors
+
+    def _enforce_quorum(self, outcome: GroupOutcome) -> None:
+        tally, rule = outcome.tally, outcome.group.vote
+        if tally is None or rule is None or tally.quorum_met or rule.on_no_quorum != "strict":
+            return
+        raise GroupFailed(f"group {outcome.group.name!r}: no quorum: {tally.summary()}, "
+                          f"quorum is {tally.quorum}", outcome, "no_quorum")
+
+
+def agreement_note(tally: votes.Tally | None, number: dict[int, int]) -> str:
+    """For a synthesizer: which of the numbered answers agreed (`number`: member index →
+    the answer's number in the prompt)."""
+    if tally is None or tally.winner is None:
+        return ""
+    winner = tally.winner
+    agreeing = ", ".join(str(number[i]) for i in winner.members)
+    others = [str(number[b.index]) for b in tally.ballots if b.index not in winner.members]
+    line = (f"Answers {agreeing} agree ({len(winner.members)} of {tally.voters}, "
+            f"compared by {tally.compare}: {winner.vote!r})")
+    if others:
+        line += f"; answers {', '.join(others)} differ"
+    return line + ".\n\n"

@@ -86,6 +86,18 @@ class Metrics:
         self.member_outcomes = Counter("corral_group_member_outcomes", "Group members' "
                                        "outcomes (ok, error, timeout, retried, replaced, "
                                        "cancelled)", ["group", "model", "outcome"], registry=r)
+        self.votes = Counter("corral_group_votes", "Group votes by group, comparison and "
+                             "agreement (majority: more than half the answers agree; "
+                             "plurality: fewer; none: no answer cast a vote)",
+                             ["group", "compare", "agreement"], registry=r)
+        self.vote_agreeing = Counter("corral_group_vote_agreeing_answers", "Answers in the "
+                                     "winning bloc of a vote (over corral_group_vote_answers: "
+                                     "the mean winning share)", ["group"], registry=r)
+        self.vote_answers = Counter("corral_group_vote_answers", "Answers counted in votes",
+                                    ["group"], registry=r)
+        self.quorums = Counter("corral_group_quorums", "Votes of groups with a quorum, by "
+                               "whether it was reached (met, missed)", ["group", "result"],
+                               registry=r)
         self.client_write_timeouts = Counter(
             "corral_client_write_timeouts", "Clients cut off after taking no bytes for "
             "client_write_timeout seconds, by the model answering them", model, registry=r)
@@ -178,6 +190,14 @@ class Metrics:
             for member in data["members"]:
                 self.member_outcomes.labels(data["group"], member["model"],
                                             member["status"]).inc()
+            vote = data.get("vote")
+            if vote:
+                self.votes.labels(data["group"], vote["compare"], vote["agreement"]).inc()
+                self.vote_agreeing.labels(data["group"]).inc(vote["agree"])
+                self.vote_answers.labels(data["group"]).inc(vote["of"])
+                if vote["quorum_met"] is not None:
+                    self.quorums.labels(data["group"],
+                                        "met" if vote["quorum_met"] else "missed").inc()
 
     async def handler(self, request: web.Request) -> web.Response:
         # The format the scraper asks for (OpenMetrics or the text format), as

@@ -34,7 +34,7 @@ def test_the_presets_are_there() -> None:
     assert {"generic.yaml", "groups.yaml", "pinned-group.yaml", "multi-group.yaml",
             "fixed-appliance.yaml", "memory.yaml", "vllm.yaml", "distributed-rpc.yaml",
             "openwebui.yaml", "contrib/biggest-first.yaml", "transformers.yaml",
-            "remote.yaml"} <= names
+            "remote.yaml", "council.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
@@ -179,6 +179,32 @@ def test_groups_serves_its_groups(start_corral: CorralFactory, smol_model: Path)
     ask(corral, "council")  # exposed as a model
     result = ask_group(corral, "both")
     assert [r["model"] for r in result["responses"]] == ["smol-careful", "smol-creative"]
+
+
+def test_council_votes_by_extraction_and_by_meaning(start_corral: CorralFactory,
+                                                    smol_model: Path) -> None:
+    corral = serve_preset(start_corral, PRESETS / "council.yaml")
+    for group, compare in (("sums", "extract"), ("facts", "extract"),
+                           ("paraphrases", "similar"), ("council", "similar")):
+        resp = corral.http.post("/v1/batch/execute", timeout=180, json={
+            "group": group, "messages": [{"role": "user", "content": "What is 7 + 5?"}],
+            "max_tokens": 24})
+        assert resp.status_code == 200, resp.text
+        result = resp.json()
+        vote = result["vote"]
+        assert vote["compare"] == compare and vote["of"] == 3, vote
+        assert result["complete"] == (vote.get("quorum_met", True)), result
+        assert result["final"].strip(), result
+    facts = [json.loads(m["content"]) for m in result_of(corral, "facts")["responses"]]
+    assert all(isinstance(f["answer"], str) for f in facts)  # response_format reached them
+
+
+def result_of(corral: Corral, group: str) -> dict[str, Any]:
+    resp = corral.http.post("/v1/batch/execute", timeout=180, json={
+        "group": group, "messages": QUESTION, "max_tokens": 24})
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
 
 
 def test_pinned_group_keeps_the_council_up(start_corral: CorralFactory,

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from corral.supervisor.config.schema import (
     BackendKind,
     Defaults,
     Fallback,
     GroupType,
+    QuorumFallback,
     RequestFilters,
     Selector,
 )
 
-__all__ = ["GroupSpec", "ModelSpec"]
+__all__ = ["GroupSpec", "ModelSpec", "VoteSpec"]
 
 _DEFAULTS = Defaults()
 
@@ -113,3 +115,27 @@ class GroupSpec:
     synthesizer: str | None
     template: str | None
     expose_as_model: bool
+    vote: VoteSpec | None = None  # how answers are compared; None: no vote (or exact)
+    response_format: dict[str, Any] | None = None  # members get it unless the request sets one
+
+
+@dataclass(frozen=True)
+class VoteSpec:
+    """How a group's answers are compared and counted. `extract` takes the vote out of an
+    answer (regex: its first group; json: the value at `json_path`; last_line); `similar`
+    clusters (the extracted votes, else the answers) by the embeddings of `similar_model`."""
+
+    extract: Literal["regex", "json", "last_line"] | None = None
+    regex: str | None = None
+    json_path: tuple[str | int, ...] = ()
+    similar_model: str | None = None
+    threshold: float = 0.9
+    quorum: int | None = None
+    on_no_quorum: QuorumFallback = "strict"
+
+    @property
+    def compare(self) -> str:
+        if self.similar_model:
+            return "extract+similar" if self.extract else "similar"
+        return "extract" if self.extract else "exact"
+

@@ -4,7 +4,16 @@ as such (config/secrets.py), so any dump of the config to JSON shows them masked
 schema into specs, and the checks that span sections, live beside it in config/."""
 
 from corral.supervisor.config.schema.defaults import Defaults
-from corral.supervisor.config.schema.groups import Fallback, GroupConfig, GroupType, Selector
+from corral.supervisor.config.schema.groups import (
+    CompareConfig,
+    ExtractConfig,
+    Fallback,
+    GroupConfig,
+    GroupType,
+    QuorumFallback,
+    Selector,
+    SimilarConfig,
+)
 from corral.supervisor.config.schema.memory import KvCacheConfig, MemoryConfig, ladder_step
 from corral.supervisor.config.schema.models import (
     BackendKind,
@@ -18,7 +27,8 @@ from corral.supervisor.config.schema.request import RequestFilters
 from corral.supervisor.config.schema.root import Config, split_listen
 from corral.supervisor.config.schema.rpc import PeerConfig, RpcConfig, WorkerConfig
 
-__all__ = ["BackendKind", "Capability", "Config", "Defaults", "Fallback", "GroupConfig",
-           "GroupType", "KvCacheConfig", "MemoryConfig", "ModelConfig", "PeerConfig",
-           "PolicyConfig", "PromptCacheConfig", "ReplicasConfig", "RequestFilters", "RpcConfig",
-           "Selector", "WorkerConfig", "ladder_step", "split_listen"]
+__all__ = ["BackendKind", "Capability", "CompareConfig", "Config", "Defaults", "ExtractConfig",
+           "Fallback", "GroupConfig", "GroupType", "KvCacheConfig", "MemoryConfig",
+           "ModelConfig", "PeerConfig", "PolicyConfig", "PromptCacheConfig", "QuorumFallback",
+           "ReplicasConfig", "RequestFilters", "RpcConfig", "Selector", "SimilarConfig",
+           "WorkerConfig", "ladder_step", "split_listen"]

@@ -1,19 +1,53 @@
 """The `groups:` section: models run together on one request (parallel, chain, fan-out,
-consensus)."""
+consensus), and how their answers are compared when they vote."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from corral.supervisor.config.schema.base import STRICT
 
-__all__ = ["Fallback", "GroupConfig", "GroupType", "Selector"]
+__all__ = ["CompareConfig", "ExtractConfig", "Fallback", "GroupConfig", "GroupType",
+           "QuorumFallback", "Selector", "SimilarConfig"]
 
 GroupType = Literal["parallel", "chain", "fan_out", "consensus"]
 Fallback = Literal["strict", "partial", "retry_once", "replace_with"]
 Selector = Literal["first_ok", "longest", "shortest", "majority", "judge"]
+QuorumFallback = Literal["strict", "partial"]
+
+
+class ExtractConfig(BaseModel):
+    """What of an answer is its vote: exactly one of the three."""
+
+    model_config = STRICT
+
+    regex: str | None = Field(
+        None, description="the first group that took part in the first match is the vote, "
+        "e.g. '(?i)answer:\\s*(\\w+)'; an answer without a match abstains")
+    json_path: str | None = Field(
+        None, description="a path into an answer that is JSON, e.g. $.answer or "
+        "$.items[0].name (set the group's response_format so members answer JSON)")
+    last_line: bool = Field(False, description="the answer's last non-empty line is the vote")
+
+
+class SimilarConfig(BaseModel):
+    model_config = STRICT
+
+    model: str = Field(description="a model of the config with `embeddings: true`")
+    threshold: float = Field(
+        0.9, gt=0, le=1, description="cosine similarity at which two answers count as one "
+        "vote (average linkage between clusters)")
+
+
+class CompareConfig(BaseModel):
+    """How answers are compared for a vote. With both, the extracted votes are embedded."""
+
+    model_config = STRICT
+
+    extract: ExtractConfig | None = None
+    similar: SimilarConfig | None = None
 
 
 class GroupConfig(BaseModel):
@@ -32,3 +66,17 @@ class GroupConfig(BaseModel):
     synthesizer: str | None = None
     template: str | None = None
     expose_as_model: bool = False
+    compare: Literal["exact"] | CompareConfig = Field(
+        "exact", description="how answers are compared for a vote (fan_out with selector "
+        "majority, parallel and consensus): exact (normalized text), or {extract: ...} "
+        "and/or {similar: ...}")
+    quorum: int | None = Field(
+        None, ge=1, description="parallel, consensus, fan_out majority: at least this many "
+        "members must agree (as `compare` sees it), else quorum_fallback applies")
+    quorum_fallback: QuorumFallback | None = Field(
+        None, description="no quorum: strict fails the request (502 no_quorum), partial "
+        "answers the best vote with complete: false (default: strict when fallback is "
+        "strict, else partial)")
+    response_format: dict[str, Any] | None = Field(
+        None, description="sent to every member when the request sets none, e.g. "
+        "{type: json_object} for a json_path vote")
