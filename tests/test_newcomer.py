@@ -171,6 +171,7 @@ def test_a_relative_binary_is_found_from_the_config_folder_not_the_working_one(
     (conf / "bin").mkdir(parents=True)
     (conf / "bin" / "llama-server").symlink_to(find_executable(None, ("llama-server",)))
     config = tiny_config(tiny_models, ["tiny-a"], binary="bin/llama-server")
+    config["models"]["gone"] = {"model": "gone.gguf"}
     path = conf / "corral.yaml"
     path.write_text(yaml.safe_dump(config))
     corral = start_corral.serve(path)
@@ -178,6 +179,10 @@ def test_a_relative_binary_is_found_from_the_config_folder_not_the_working_one(
     assert resp.status_code == 200, resp.text
     argv = corral.spawned("tiny-a")[-1]["argv"]
     assert argv[0] == str(conf / "bin" / "llama-server")
+    # What `corral check` calls an error, serve warns of (and starts: it may appear later).
+    (warned,) = corral.log_events("config.missing_file")
+    assert warned["key"] == "models.gone.model" and warned["level"] == "warning", warned
+    assert str(conf / "gone.gguf") in warned["problem"]
 
 
 # -- serve --models-dir ------------------------------------------------------------------------
