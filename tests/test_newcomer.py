@@ -129,6 +129,20 @@ def test_check_reports_the_strategy_plugin_beside_schema_errors(tmp_path: Path) 
     assert f"{path}:1: policy.strategy" in errors and "gone.py" in errors, errors
 
 
+def test_an_unset_environment_variable_is_one_error_among_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "corral.yaml"
+    path.write_text("listen: ${CORRAL_TEST_UNSET_LISTEN}\n"
+                    "models:\n"
+                    "  a: {model: m.gguf, paralel: 2, args: [--mlock]}\n")
+    done = cli("check", "--no-files", str(path))
+    assert error_lines(done) == [
+        f"error: {path}:1: listen: environment variable CORRAL_TEST_UNSET_LISTEN is not set",
+        f"error: {path}:3: models.a.paralel: Extra inputs are not permitted",
+        f"error: {path}:3: models.a.args[0]: llama-server no longer has --mlock; use "
+        f"--load-mode mlock (or mmap+mlock)",
+    ], done.stderr  # and nothing about the empty listen the unset variable left
+
+
 # -- one rule for relative paths ---------------------------------------------------------------
 
 def test_every_relative_path_is_relative_to_the_file_that_wrote_it(tmp_path: Path) -> None:

@@ -69,6 +69,8 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
     the cross-section ones: a user fixes them all in one go instead of a round per kind."""
     filename = str(source) if source else "<config>"
     issues: list[ConfigIssue] = []
+    # A key an unset variable left empty is reported as that, not as the empty value.
+    unset = {i.key for i in doc.issues}
     data = copy.deepcopy(doc.data)
     config: Config | None = None
     for round_ in range(_PRUNE_ROUNDS):
@@ -82,12 +84,18 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
                            for err in errors]
             if not [err for err in errors if _prune(data, tuple(err["loc"]))]:
                 break
-    if config is None:
-        return Inspection(None, issues, doc.files)
-    base_dir = source.parent.resolve() if source else Path.cwd()
-    loaded, more = resolve_all(config, base_dir, source, doc.lines, files=doc.files,
-                               digest=doc.digest)
-    return Inspection(loaded, issues + more, doc.files)
+    loaded: LoadedConfig | None = None
+    if config is not None:
+        base_dir = source.parent.resolve() if source else Path.cwd()
+        loaded, more = resolve_all(config, base_dir, source, doc.lines, files=doc.files,
+                                   digest=doc.digest)
+        issues += more
+    return Inspection(loaded, [*doc.issues, *(i for i in issues if not _under(i.key, unset))],
+                      doc.files)
+
+
+def _under(key: str, keys: set[str]) -> bool:
+    return any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in keys)
 
 
 def _prune(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
