@@ -32,6 +32,7 @@ from corral.proxy.errors import (
     child_error,
     error_response,
     http_error,
+    method_not_allowed,
     shape_of,
 )
 from corral.proxy.forward import new_upstream_session, relay
@@ -87,8 +88,8 @@ def create_app(daemon: Supervisor) -> web.Application:
     # completions, embeddings, responses, rerank, Anthropic-style messages, and whatever else
     # the child implements.
     app.router.add_post("/v1/{path:.+}", relay_openai)
-    # Read-only paths are corral's own (above): another GET under /v1 is simply not there.
-    app.router.add_get("/v1/{path:.+}", _no_such_path)
+    # Any other method: a 405 on the paths that answer POST, else simply not there.
+    app.router.add_route("*", "/v1/{path:.+}", _not_posted)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
     history.add_routes(app, daemon)
@@ -148,6 +149,8 @@ def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return error_response(413, f"request body too large: {exc.text}",
                               code="request_too_large")
+    if isinstance(exc, web.HTTPMethodNotAllowed):  # the router's, on a path of fixed methods
+        return method_not_allowed(request.method, request.path, exc.headers["Allow"])
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc
@@ -239,7 +242,14 @@ async def health(request: web.Request) -> web.Response:
     }, status=503 if daemon.closing else 200)
 
 
-async def _no_such_path(request: web.Request) -> web.StreamResponse:
+# The OpenAI paths that answer POST (and only POST): another method on them is a client's
+# mistake to name, not a path that is not there.
+_POSTED = frozenset({*capabilities.NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
+
+
+async def _not_posted(request: web.Request) -> web.StreamResponse:
+    if request.path in _POSTED:
+        return method_not_allowed(request.method, request.path, "POST")
     raise web.HTTPNotFound()
 
 

@@ -31,7 +31,7 @@ from corral.supervisor.errors import (
 )
 
 __all__ = ["ApiError", "UnknownGroup", "UpstreamFailed", "UpstreamRejected", "UpstreamTimeout",
-           "error_response", "http_error", "shape_of", "sse_error_event"]
+           "error_response", "http_error", "method_not_allowed", "shape_of", "sse_error_event"]
 
 
 def error_response(status: int, message: str, *, kind: str = "invalid_request_error",
@@ -45,6 +45,14 @@ def error_response(status: int, message: str, *, kind: str = "invalid_request_er
         message = request_id.tagged(message)
     body = {"error": {"message": message, "type": kind, "code": code, "param": param}}
     return web.json_response({**body, **(extra or {})}, status=status, headers=headers)
+
+
+def method_not_allowed(method: str, path: str, allow: str) -> web.Response:
+    """405 in the OpenAI shape, with the Allow header HTTP asks of it (`allow`: "GET, HEAD")."""
+    response = error_response(405, f"{method} is not allowed on {path}; it answers {allow}",
+                              code="method_not_allowed")
+    response.headers["Allow"] = allow
+    return response
 
 
 class ApiError(Exception):

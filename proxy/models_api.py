@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from corral.proxy.access import ADMIN
-from corral.proxy.errors import ApiError
+from corral.proxy.errors import ApiError, method_not_allowed
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
 from corral.proxy.validate import parse_json_object
 from corral.supervisor.config import GroupSpec
@@ -68,6 +68,10 @@ def _entries(daemon: Supervisor) -> list[dict[str, Any]]:
     return models + [group_entry(daemon, g, created) for g in exposed_groups(daemon).values()]
 
 
+async def _read_only(request: web.Request) -> web.Response:
+    return method_not_allowed(request.method, request.path, "GET, HEAD")
+
+
 def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     async def list_models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": _entries(request.app[key])})
@@ -93,7 +97,11 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         return web.json_response({"success": True})
 
     app.router.add_get("/v1/models", list_models)
+    # Read-only: any other method is a 405 here, whatever its body (a POST must not reach
+    # the catch-all relay below, which would parse it and look for a model).
+    app.router.add_route("*", "/v1/models", _read_only)
     app.router.add_get("/v1/models/{model:.+}", get_model)  # ids from subfolders have a "/"
+    app.router.add_route("*", "/v1/models/{model:.+}", _read_only)
     # llama.cpp router mode's management API, outside /v1 as there.
     app.router.add_get("/models", list_models)
     app.router.add_post("/models/load", load)

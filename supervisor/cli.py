@@ -28,9 +28,11 @@ from corral.supervisor.config import (
     admin_exposure_problem,
     admin_is_exposed,
     default_config,
+    inspect_config,
     load_config,
     split_listen,
 )
+from corral.supervisor.config.checks import missing_files
 from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import default_state_dir
 
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("-c", "--config", type=Path, help="YAML config (default: embedded)")
     serve.add_argument("--listen", help="HOST:PORT, overrides the config's listen")
     serve.add_argument("--models-dir", type=Path,
-                       help="serve every *.gguf here on demand (default ./models without -c)")
+                       help="serve every *.gguf here on demand; it must exist (default without "
+                            "-c: ./models, relative to the working directory; with -c: the "
+                            "config's models_dir, which like every path in a config is "
+                            "relative to the config file's folder)")
     serve.add_argument("--state-dir", type=Path, help="where the child pid file lives")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
@@ -60,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                             "change (SIGHUP and "
                             "POST /admin/reload still do)")
 
-    check = sub.add_parser("check", help="validate config files; exit 1 on any error")
+    check = sub.add_parser("check", help="validate config files: every error, with file:line "
+                                         "and key; exit 1 on any")
     check.add_argument("files", nargs="+", type=Path)
+    check.add_argument("--no-files", action="store_true",
+                       help="do not check that the model files, binaries and models_dir the "
+                            "config names exist here (a config written for another machine)")
 
     sub.add_parser("schema", help="print the config's JSON Schema (for editors: "
                                   "presets/corral.schema.json is its output)")
@@ -76,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     pull.add_argument("--sha256", help="refuse the file unless its sha256 is this")
     pull.add_argument("-c", "--config", type=Path, help="use this config's models_dir")
     pull.add_argument("--models-dir", type=Path,
-                      help="where to put it (default: the config's models_dir, else ./models)")
+                      help="where to put it (default: the config's models_dir, else ./models "
+                           "relative to the working directory)")
     pull.add_argument("--force", action="store_true", help="replace a model file of that name")
 
     args = parser.parse_args(argv)
     if args.command == "check":
-        return _check(args.files)
+        return _check(args.files, files=not args.no_files)
     if args.command == "schema":
         print(config_schema_json(), end="")
         return 0
@@ -92,23 +102,33 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args)
 
 
-def _check(files: list[Path]) -> int:
+def _check(paths: list[Path], files: bool = True) -> int:
+    """Every problem of each config in one run, in file and line order: the schema's, those
+    across sections, the strategy and GPU reader it names, the listen address, and (`files`)
+    the files it names."""
     failed = False
-    for path in files:
-        try:
-            loaded = load_config(path)
-            build_runtime(loaded)  # the strategy and GPU reader it names must build
-        except ConfigError as exc:
+    for path in paths:
+        found = inspect_config(path)
+        issues, loaded = list(found.issues), found.loaded
+        if loaded is not None:
+            try:
+                build_runtime(loaded)  # the strategy and GPU reader it names must build
+            except ConfigError as exc:
+                issues += exc.issues
+            # serve would refuse this listen address; `serve --listen` may still override it.
+            exposure = admin_exposure_problem(loaded.config, loaded.config.listen)
+            if exposure:
+                issues.append(loaded.issue(("listen",), exposure))
+            if files:
+                issues += missing_files(loaded)
+        if issues:
             failed = True
-            for issue in exc.issues:
+            order = {str(f): n for n, f in enumerate(found.files)}
+            for issue in sorted(dict.fromkeys(issues), key=lambda i: (
+                    order.get(os.path.abspath(i.file), len(order)), i.file, i.line or 0)):
                 print(f"error: {issue}", file=sys.stderr)
             continue
-        # serve would refuse this listen address; `serve --listen` may still override it.
-        exposure = admin_exposure_problem(loaded.config, loaded.config.listen)
-        if exposure:
-            failed = True
-            print(f"error: {loaded.issue(('listen',), exposure)}", file=sys.stderr)
-            continue
+        assert loaded is not None
         print(f"{path}: ok ({len(loaded.models)} models)")
     return 1 if failed else 0
 
@@ -167,9 +187,12 @@ def _pull(args: argparse.Namespace) -> int:
                 print(f"error: {issue}", file=sys.stderr)
             return 1
         if models_dir is None:
-            print(f"error: {args.config} sets no models_dir: give --models-dir",
-                  file=sys.stderr)
-            return 1
+            # pull's own default, as without -c. Said, because `serve -c` with this config
+            # discovers no folder at all: the file lands where it will not be listed.
+            fallback = Path("models").resolve()
+            print(f"note: {args.config} sets no models_dir: pulling into {fallback}; "
+                  f"`corral serve -c {args.config}` lists it with `models_dir: {fallback}` in "
+                  f"the config, or with --models-dir {fallback}", file=sys.stderr)
     bar = _ProgressBar(args.name or args.source.rsplit("/", 1)[-1], sys.stderr)
     try:
         source = pull.resolve_source(args.source, args.name)
@@ -275,6 +298,14 @@ def _reload_loader(args: argparse.Namespace, listen: str) -> Callable[[], Loaded
 
 def _serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
+    if args.models_dir is not None:
+        # A folder the user typed: a typo must not start an empty corral. (The default
+        # ./models may be missing: it is watched, and `fetch-demo` or `pull` creates it.)
+        folder = args.models_dir.resolve()
+        if not folder.is_dir():
+            why = "is not a folder" if folder.exists() else "no such folder"
+            print(f"error: --models-dir {folder}: {why}", file=sys.stderr)
+            return 2
     try:
         loaded = _loader(args)()
         runtime = build_runtime(loaded)
@@ -282,6 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
         return 1
+    _warn_missing_files(args, loaded)
     listen = args.listen or loaded.config.listen
     try:
         host, port = split_listen(listen)
@@ -296,14 +328,28 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("corral.admin_open", listen=listen,
                     warning="/admin (load, unload, logs) is open to anyone who can reach this "
                             "address: admin_open is true and no admin_api_keys or api_keys are set")
-    state_dir = args.state_dir or (Path(loaded.config.state_dir) if loaded.config.state_dir
-                                   else default_state_dir())
+    state_dir = args.state_dir or loaded.state_dir or default_state_dir()
     state_file = state_dir / f"children-{port}.json"
 
     import uvloop
 
     return uvloop.run(_run(loaded, runtime, host, port, state_file,
                            _reload_loader(args, listen), watch=not args.no_watch))
+
+
+def _warn_missing_files(args: argparse.Namespace, loaded: LoadedConfig) -> None:
+    """What `corral check` would report missing, as warnings: the daemon still starts (a
+    model file may appear before its first request; the models folder is watched)."""
+    if not args.config and args.models_dir is None and not getattr(args, "worker", False):
+        if loaded.models_folder is not None and not loaded.models_folder.is_dir():
+            log.warning("corral.models_dir_missing", folder=str(loaded.models_folder),
+                        hint="./models is relative to the working directory without -c: "
+                             "create it (`corral fetch-demo`, `corral pull`) or give "
+                             "--models-dir")
+        return
+    for issue in missing_files(loaded):
+        log.warning("config.missing_file", file=issue.file, line=issue.line, key=issue.key,
+                    problem=issue.message)
 
 
 def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:

@@ -99,6 +99,8 @@ def test_models_dir_discovers_gguf_files(tmp_path):
 def test_corral_check_cli(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(GOOD)
+    (tmp_path / "models").mkdir()  # check reports a model file that is not there
+    (tmp_path / "models" / "smol.gguf").write_bytes(b"GGUF")
     bad.write_text(GOOD.replace("parallel: 2", "paralel: 2"))
     ok = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check", str(good)],
                         capture_output=True, text=True)

@@ -204,3 +204,33 @@ def test_router_endpoints_refuse_bad_input_in_the_openai_shape(corral):
     # admin keys are set), like /admin.
     assert httpx.get(corral.url + "/metrics").status_code == 401
     assert corral.http.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("POST", "/v1/models", "GET, HEAD"),
+    ("DELETE", "/v1/models", "GET, HEAD"),
+    ("POST", "/v1/models/tiny-a", "GET, HEAD"),
+    ("PUT", "/v1/models/tiny-a", "GET, HEAD"),
+    ("GET", "/v1/chat/completions", "POST"),
+    ("PUT", "/v1/embeddings", "POST"),
+    ("GET", "/v1/chain/execute", "POST"),
+    ("DELETE", "/v1/batch/execute", "POST"),
+    ("GET", "/models/load", "POST"),
+    ("DELETE", "/models", "GET, HEAD"),
+])
+@pytest.mark.parametrize("body", [b"", b"{nope", b'{"model": "tiny-a", "messages": []}'])
+def test_a_wrong_method_on_an_openai_path_is_a_405_naming_the_right_ones(
+        corral, method, path, allow, body):
+    """Whatever the body (none, not JSON, or one naming a model): nothing is parsed, relayed
+    or started."""
+    resp = corral.http.request(method, path, content=body)
+    assert resp.status_code == 405, (resp.status_code, resp.text)
+    assert set(resp.headers["Allow"].replace(" ", "").split(",")) == set(allow.split(", "))
+    error = resp.json()["error"]
+    assert error["code"] == "method_not_allowed" and method in error["message"], error
+    assert set(error) == {"message", "type", "code", "param"}
+    assert corral.model("tiny-a")["state"] in ("stopped", "ready")
+    # An unknown path stays a 404 under any method but POST (POST relays whatever names a
+    # model, to the child's own endpoints).
+    if method != "POST":
+        assert corral.http.request(method, "/v1/no/such/thing").status_code == 404

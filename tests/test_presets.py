@@ -37,12 +37,31 @@ def test_the_presets_are_there() -> None:
             "remote.yaml", "council.yaml"} <= names
 
 
+# What the vLLM and transformers presets start, named by ${VLLM_PYTHON:-/opt/...} and
+# ${TRANSFORMERS:-/opt/...}: `corral check` reports a missing one.
+EXECUTABLES = ("VLLM_PYTHON", "TRANSFORMERS")
+
+
 @pytest.mark.parametrize("path", ALL, ids=IDS)
-def test_corral_check_passes(path: Path) -> None:
+def test_corral_check_passes(path: Path, tmp_path: Path) -> None:
+    # Stand-ins that exist (that the real ones start is test_vllm's and test_command's
+    # business; asking the real vLLM for its KV dtypes takes half a minute).
+    env = {**os.environ}
+    for name in EXECUTABLES:
+        stand_in = tmp_path / name.lower()
+        stand_in.write_text("#!/bin/sh\nexit 1\n")
+        stand_in.chmod(0o755)
+        env[name] = str(stand_in)
     done = subprocess.run([*CLI, "check", str(path)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert ": ok (" in done.stdout
+    # As printed, on a machine without them: the executables they name are all it lacks.
+    bare = subprocess.run([*CLI, "check", str(path)], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items()
+                                           if k not in EXECUTABLES})
+    for line in bare.stderr.splitlines():
+        assert ".command[0]: /opt/" in line and "does not exist" in line, bare.stderr
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)

@@ -7,7 +7,7 @@ and the offending key. Data only: nothing here starts a process.
   schema/    the pydantic models, one module per section; secrets.py: the secret types
   resolve    a validated config → ModelSpec / GroupSpec (specs) and a LoadedConfig (loaded),
              with groups, strategy and checks/ that span sections
-  load       load_config / parse_config / default_config
+  load       load_config / parse_config / default_config; inspect_config (`corral check`)
   watch      the watchers of the config files and of models_dir (imported by the CLI only)
 """
 
@@ -23,7 +23,13 @@ from corral.supervisor.config.issues import (
     line_for,
     pos_for,
 )
-from corral.supervisor.config.load import default_config, load_config, parse_config
+from corral.supervisor.config.load import (
+    Inspection,
+    default_config,
+    inspect_config,
+    load_config,
+    parse_config,
+)
 from corral.supervisor.config.loaded import LoadedConfig
 from corral.supervisor.config.resolve import VLLM_START_TIMEOUT, resolve
 from corral.supervisor.config.schema import (
@@ -42,9 +48,10 @@ from corral.supervisor.config.specs import GroupSpec, ModelSpec
 
 __all__ = [
     "MASK", "VLLM_START_TIMEOUT", "Config", "ConfigError", "ConfigIssue", "Defaults",
-    "Document", "GroupConfig", "GroupSpec", "KvCacheConfig", "Lines", "LoadedConfig", "Loc",
+    "Document", "GroupConfig", "GroupSpec", "Inspection", "KvCacheConfig", "Lines",
+    "LoadedConfig", "Loc",
     "MemoryConfig", "ModelConfig", "ModelSpec", "PolicyConfig", "ReplicasConfig",
     "SecretOptions", "admin_exposure_problem", "admin_is_exposed", "default_config", "dotted",
-    "issue_at", "line_for", "load_config", "parse_config", "pos_for", "read_config_file",
-    "read_config_text", "resolve", "split_listen",
+    "inspect_config", "issue_at", "line_for", "load_config", "parse_config", "pos_for",
+    "read_config_file", "read_config_text", "resolve", "split_listen",
 ]

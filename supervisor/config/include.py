@@ -28,6 +28,9 @@ class Document:
     lines: Lines
     files: tuple[Path, ...]  # every file read, the including one first; () for a text
     digest: str  # sha256 over what was read, in order: the same files, the same digest
+    # Problems that leave a document to check (an unset ${VAR}, its value left empty): the
+    # config is invalid, and its other problems are worth reporting in the same run.
+    issues: tuple[ConfigIssue, ...] = ()
 
 
 def read_config_file(path: Path) -> Document:
@@ -53,6 +56,7 @@ class _Reader:
     def __init__(self) -> None:
         self.files: list[Path] = []
         self.issues: list[ConfigIssue] = []
+        self.unset: list[ConfigIssue] = []  # unset variables: not fatal to the reading
         self.hash = hashlib.sha256()
 
     def read(self, text: str, filename: str, path: Path | None) -> Document:
@@ -61,7 +65,7 @@ class _Reader:
         files = tuple(dict.fromkeys(self.files))  # in order, once each
         if self.issues or layer is None:
             raise ConfigError(self.issues, files)
-        return Document(layer[0], layer[1], files, self.hash.hexdigest())
+        return Document(layer[0], layer[1], files, self.hash.hexdigest(), tuple(self.unset))
 
     def _layer(self, text: str, filename: str, path: Path | None, stack: tuple[Path, ...],
                root: bool) -> tuple[dict[str, Any], Lines] | None:
@@ -69,10 +73,11 @@ class _Reader:
             self.files.append(path)
         self.hash.update(f"{path or filename}\0{text}\0".encode())
         try:
-            data, lines = read_yaml(text, filename)
+            data, lines, unset = read_yaml(text, filename)
         except ConfigError as exc:
             self.issues += exc.issues
             return None
+        self.unset += unset
         names = self._include_list(data, lines, filename)
         if not names:
             return data, lines

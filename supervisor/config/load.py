@@ -3,18 +3,21 @@ and resolved; or the embedded default when there is no file."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
 from corral.supervisor import demo
 from corral.supervisor.config.include import Document, read_config_file, read_config_text
-from corral.supervisor.config.issues import ConfigError, issue_at
+from corral.supervisor.config.issues import ConfigError, ConfigIssue, issue_at
 from corral.supervisor.config.loaded import LoadedConfig
-from corral.supervisor.config.resolve import resolve
+from corral.supervisor.config.resolve import resolve, resolve_all
 from corral.supervisor.config.schema import Config, ModelConfig
 
-__all__ = ["default_config", "load_config", "parse_config"]
+__all__ = ["Inspection", "default_config", "inspect_config", "load_config", "parse_config"]
 
 
 def load_config(path: Path | str) -> LoadedConfig:
@@ -27,19 +30,88 @@ def parse_config(text: str, source: Path | None = None) -> LoadedConfig:
     return _validated(read_config_text(text, source), source)
 
 
-def _validated(doc: Document, source: Path | None) -> LoadedConfig:
-    filename = str(source) if source else "<config>"
+@dataclass(frozen=True)
+class Inspection:
+    """A config with every problem found in one pass: `loaded` is what resolved (None when
+    the file could not be read, or nothing could be validated or no strategy chosen), with
+    the parts the schema refused left out, so what names files or plugins can be checked
+    on."""
+
+    loaded: LoadedConfig | None
+    issues: list[ConfigIssue]
+    files: tuple[Path, ...]
+
+
+def inspect_config(path: Path | str) -> Inspection:
+    """Every problem of the config at `path` (schema and cross-section alike), raising none."""
+    path = Path(path)
     try:
-        config = Config.model_validate(doc.data)
-    except ValidationError as exc:
-        issues = [issue_at(filename, doc.lines, tuple(err["loc"]), err["msg"])
-                  for err in exc.errors()]
-        raise ConfigError(issues, doc.files) from exc
-    base_dir = source.parent.resolve() if source else Path.cwd()
-    try:
-        return resolve(config, base_dir, source, doc.lines, files=doc.files, digest=doc.digest)
+        doc = read_config_file(path)
     except ConfigError as exc:
-        raise ConfigError(exc.issues, doc.files) from exc
+        return Inspection(None, exc.issues, exc.files)
+    return _inspect(doc, path)
+
+
+def _validated(doc: Document, source: Path | None) -> LoadedConfig:
+    found = _inspect(doc, source)
+    if found.issues or found.loaded is None:
+        raise ConfigError(found.issues, doc.files)
+    return found.loaded
+
+
+# Each round drops at least one key the schema refused; a config deeper than this in errors
+# that only show once others are gone is not worth more rounds.
+_PRUNE_ROUNDS = 8
+
+
+def _inspect(doc: Document, source: Path | None) -> Inspection:
+    """The schema's errors, then (with the keys it refused dropped, so the rest validates)
+    the cross-section ones: a user fixes them all in one go instead of a round per kind."""
+    filename = str(source) if source else "<config>"
+    issues: list[ConfigIssue] = []
+    # A key an unset variable left empty is reported as that, not as the empty value.
+    unset = {i.key for i in doc.issues}
+    data = copy.deepcopy(doc.data)
+    config: Config | None = None
+    for round_ in range(_PRUNE_ROUNDS):
+        try:
+            config = Config.model_validate(data)
+            break
+        except ValidationError as exc:
+            errors = exc.errors()
+            if round_ == 0:  # later rounds' errors are what the pruning itself caused
+                issues += [issue_at(filename, doc.lines, tuple(err["loc"]), err["msg"])
+                           for err in errors]
+            if not [err for err in errors if _prune(data, tuple(err["loc"]))]:
+                break
+    loaded: LoadedConfig | None = None
+    if config is not None:
+        base_dir = source.parent.resolve() if source else Path.cwd()
+        loaded, more = resolve_all(config, base_dir, source, doc.lines, files=doc.files,
+                                   digest=doc.digest)
+        issues += more
+    return Inspection(loaded, [*doc.issues, *(i for i in issues if not _under(i.key, unset))],
+                      doc.files)
+
+
+def _under(key: str, keys: set[str]) -> bool:
+    return any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in keys)
+
+
+def _prune(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    """Drop the deepest mapping key on `loc` that `data` holds (a list whole: its items'
+    indexes would shift). False when there is none to drop."""
+    parent: dict[str, Any] | None = None
+    key: str | None = None
+    node: Any = data
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            break  # a union's branch name, or an item of a list: stop at what holds it
+        parent, key, node = node, part, node[part]
+    if parent is None or key is None:
+        return False
+    del parent[key]
+    return True
 
 
 def default_config(models_dir: Path) -> LoadedConfig:

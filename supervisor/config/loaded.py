@@ -50,6 +50,11 @@ class LoadedConfig:
     gpu_reader: PluginChoice = field(default_factory=lambda: PluginChoice("auto"))
     # The folder discovery read (models_dir, relative to the file that set it); None: none.
     models_folder: Path | None = None
+    # The top-level `binary` (a path made absolute like every path of the config's; a bare
+    # name stays a name, looked up on PATH), state_dir and prompt_cache.dir, resolved.
+    binary: str | None = None
+    state_dir: Path | None = None
+    prompt_cache_dir: Path | None = None
 
     def snapshot(self, views: tuple[Any, ...] = (), now: float = 0.0) -> Snapshot:
         """The strategy's view: the models given (default: every model, none loaded)."""

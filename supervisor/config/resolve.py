@@ -25,7 +25,7 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.config.strategy import resolve_strategy
 from corral.supervisor.discovery import discover
 
-__all__ = ["VLLM_START_TIMEOUT", "resolve"]
+__all__ = ["VLLM_START_TIMEOUT", "resolve", "resolve_all"]
 
 T = TypeVar("T")
 # vLLM loads the model and captures CUDA graphs before /health answers: minutes on a big model.
@@ -47,6 +47,18 @@ def _inherit(value: T | None, default: T) -> T:
 
 def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             files: tuple[Path, ...] = (), digest: str = "") -> LoadedConfig:
+    loaded, issues = resolve_all(config, base_dir, source, lines, files, digest)
+    if issues or loaded is None:
+        raise ConfigError(issues)
+    return loaded
+
+
+def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Lines,
+                files: tuple[Path, ...] = (), digest: str = "",
+                ) -> tuple[LoadedConfig | None, list[ConfigIssue]]:
+    """`resolve` that keeps going: every cross-section issue, and the resolved config as far
+    as it resolves (None only when no strategy could be chosen), for `corral check` to go on
+    checking what it names."""
     filename = str(source) if source else "<config>"
     issues: list[ConfigIssue] = []
 
@@ -56,6 +68,15 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
         pos = pos_for(loc, lines)
         return Path(pos[0]).parent if pos and pos[0] != filename else base_dir
 
+    def executable(value: str, loc: Loc) -> str:
+        # A name (no folder in it) is looked up on PATH when the child starts; a path is the
+        # writer's, like every other path. Symlinks stay: a multi-call binary reads argv[0].
+        if "/" not in value and os.sep not in value and not value.startswith("~"):
+            return value
+        path = Path(os.path.expanduser(value))
+        return os.path.normpath(path if path.is_absolute() else base_of(loc) / path)
+
+    binary = executable(config.binary, ("binary",)) if config.binary else None
     d = config.defaults
     # Children that each spin every core livelock one another (llama.cpp's compute threads
     # busy-wait): 3 tiny models on 2 cores went from 0.3 s alone to 46 s together. Split the
@@ -104,7 +125,7 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             # The child needs the values; the spec is internal (/admin/config shows the
             # config, where they stay secret).
             env={key: value.get_secret_value() for key, value in m.env.items()},
-            binary=m.binary or config.binary,
+            binary=executable(m.binary, ("models", name, "binary")) if m.binary else binary,
             start_timeout=start_timeout,
             max_queue=_inherit(m.max_queue, d.max_queue),
             queue_timeout=_inherit(m.queue_timeout, d.queue_timeout),
@@ -132,7 +153,9 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
             kv_adaptive=bool(kv and kv.adaptive),
             kv_hold=kv.hold if kv else 60.0,
             model_id=model_id,
-            command=tuple(m.command or ()),
+            # The executable is a path of the config's; the rest is the server's argv.
+            command=(executable(m.command[0], ("models", name, "command", 0)),
+                     *m.command[1:]) if m.command else (),
             gpu_memory_utilization=m.gpu_memory_utilization,
             tensor_parallel_size=m.tensor_parallel_size or 1,
             pipeline_parallel_size=m.pipeline_parallel_size or 1,
@@ -174,19 +197,23 @@ def resolve(config: Config, base_dir: Path, source: Path | None, lines: Lines,
                 aliases[alias] = name
     groups = resolve_groups(config, models, aliases, issues,
                              lambda loc: line_for(loc, lines), filename)
-    check_backends(config, models, issues, lambda loc: line_for(loc, lines), filename)
+    check_backends(config, binary, models, issues, lambda loc: line_for(loc, lines), filename)
     check_budgets(config, groups, issues, lambda loc: line_for(loc, lines), filename)
     pinned = frozenset(m for g in groups.values() if g.pinned for m in g.models)
     strategy = resolve_strategy(config, base_of(("policy", "strategy")), models, aliases,
                                  groups, issues, lambda loc: line_for(loc, lines), filename)
     reader = PluginChoice(config.memory.gpu_reader, config.memory.gpu_reader_options,
                           base_of(("memory", "gpu_reader")), ("memory", "gpu_reader"))
-    if issues or strategy is None:
-        raise ConfigError(issues)
-    return LoadedConfig(config=config, models=models, source=source, aliases=aliases,
-                        groups=groups, lines=lines, files=files, digest=digest,
-                        pinned=pinned, strategy=strategy, gpu_reader=reader,
-                        models_folder=models_folder)
+    if strategy is None:
+        return None, issues
+    return LoadedConfig(
+        config=config, models=models, source=source, aliases=aliases, groups=groups,
+        lines=lines, files=files, digest=digest, pinned=pinned, strategy=strategy,
+        gpu_reader=reader, models_folder=models_folder, binary=binary,
+        state_dir=_absolute(config.state_dir, base_of(("state_dir",)))
+        if config.state_dir else None,
+        prompt_cache_dir=_absolute(config.prompt_cache.dir, base_of(("prompt_cache", "dir")))
+        if config.prompt_cache.dir else None), issues
 
 
 def _absolute(path: str, base_dir: Path) -> Path:

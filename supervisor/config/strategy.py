@@ -25,6 +25,7 @@ def resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec
     """Check the settings each built-in strategy reads; the strategy to build, as data."""
     policy = config.policy
     name = policy.strategy
+    before = len(issues)  # the list holds other sections' issues too
 
     def problem(loc: Loc, message: str) -> None:
         issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
@@ -70,7 +71,7 @@ def resolve_strategy(config: Config, base_dir: Path, models: dict[str, ModelSpec
         elif sum(policy.shares.values()) > policy.max_loaded:
             problem(("policy", "shares"), f"the shares add up to {sum(policy.shares.values())} "
                                           f"but max_loaded is {policy.max_loaded}")
-    if issues:
+    if len(issues) > before:
         return None
     options = policy.options if name not in BUILTIN_STRATEGIES else SecretOptions({
         "groups": list(policy.groups), "shares": dict(policy.shares), "models": fixed})

@@ -19,8 +19,10 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 RESERVED = frozenset({"PORT"})
 
 
-def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
-    """The document as plain data with ${VAR} expanded, and the line of every key in it."""
+def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines, list[ConfigIssue]]:
+    """The document as plain data with ${VAR} expanded, the line of every key in it, and the
+    variables that are not set (each left empty: the rest of the document is still checked).
+    Raises ConfigError when there is no document to check."""
     try:
         root, data = _parse(text)
     except yaml.YAMLError as exc:
@@ -37,9 +39,7 @@ def read_yaml(text: str, filename: str) -> tuple[dict[str, Any], Lines]:
         raise ConfigError([ConfigIssue(filename, 1, "", "the top level must be a mapping")])
     issues: list[ConfigIssue] = []
     data = _expand_env(data, (), lines, filename, issues)
-    if issues:
-        raise ConfigError(issues)
-    return data, lines
+    return data, lines, issues
 
 
 # libyaml when PyYAML was built with it: a 100-model config parses in a few ms instead of ~50.

@@ -64,15 +64,14 @@ class Daemon:
         self.deployer = RpcDeployer(loaded.config.peers, self._keeper, self._http,
                                     self._device_free)
         # Worker mode: rpc-servers this corral lends to other heads.
-        self._lender = Lender(loaded.config.worker, loaded.config.binary, self._keeper,
+        self._lender = Lender(loaded.config.worker, loaded.binary, self._keeper,
                               self._device_free) if loaded.config.worker.enabled else None
         self._changed = Changed()
         self._registry = ChildRegistry(state_file)
         # llama-server slots saved at each stop, restored on demand. Its dir is read once,
         # like state_dir; its other settings at each use.
-        cache_dir = loaded.config.prompt_cache.dir
         self.prompt_cache = PromptCache(
-            Path(cache_dir).expanduser() if cache_dir else state_file.parent / "prompt-cache",
+            loaded.prompt_cache_dir or state_file.parent / "prompt-cache",
             lambda: self.loaded.config.prompt_cache, self.events)
         self._closing = False
         # Every background task the daemon starts: kept referenced, cancelled at close.

@@ -76,8 +76,10 @@ _OWNED_RPC_FLAGS = {"--rpc": _SET_FROM_THE_PLAN, "--tensor-split": _SET_FROM_THE
                     "-ts": _SET_FROM_THE_PLAN}
 
 
-def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[ConfigIssue],
-                   line: Callable[[Loc], int | None], filename: str) -> None:
+def check_backends(config: Config, binary: str | None, models: dict[str, ModelSpec],
+                   issues: list[ConfigIssue], line: Callable[[Loc], int | None],
+                   filename: str) -> None:
+    """`binary`: the top-level one, resolved (relative to its file)."""
     def problem(loc: Loc, message: str) -> None:
         issues.append(ConfigIssue(filename, line(loc), dotted(loc), message))
 
@@ -94,7 +96,7 @@ def check_backends(config: Config, models: dict[str, ModelSpec], issues: list[Co
     if config.defaults.kv_cache:  # the defaults' ladder is for llama-server models
         for i, step in enumerate(config.defaults.kv_cache.ladder):
             for kv_type in dict.fromkeys(ladder_step(step)):
-                found = kv_type_problem(kv_type, llama_binary(config.binary))
+                found = kv_type_problem(kv_type, llama_binary(binary))
                 if found:
                     problem(("defaults", "kv_cache", "ladder", i), found)
     if config.worker.enabled and not config.worker.token:
