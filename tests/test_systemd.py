@@ -461,9 +461,9 @@ def test_reload_events(receiver: Receiver) -> None:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A stand-in root as the install steps of docs/operations.md leave a machine: corral's
-    venv in /opt/corral (a stub: verify checks that ExecStart's binary is executable, never runs it), /bin/kill
-    for ExecReload, and the distribution's units (network-online.target, sysinit.target, ...)
-    the unit's dependencies name. The unit file itself goes in unchanged."""
+    venv in /opt/corral (a stub: verify checks that ExecStart's binary is executable, never
+    runs it), /bin/kill for ExecReload, and the distribution's units (network-online.target,
+    sysinit.target, ...) the unit's dependencies name. The unit file itself goes in unchanged."""
     root = tmp_path_factory.mktemp("root")
     (root / "usr" / "bin").mkdir(parents=True)
     (root / "bin").symlink_to("usr/bin")
