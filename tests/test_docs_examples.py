@@ -104,6 +104,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for entry in REPO.iterdir():
         if not entry.name.startswith(".") and entry.name != "build":
             (folder / entry.name).symlink_to(entry)
+    # The venv these tests run in, where a checkout has it (`source .venv/bin/activate`).
+    (folder / ".venv").symlink_to(Path(sys.prefix))
     return folder
 
 
