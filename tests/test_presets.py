@@ -131,6 +131,16 @@ def ask(corral: Corral, model: str) -> str:
     return content
 
 
+def ask_plain(corral: Corral, model: str) -> str:
+    """The demo question as Open WebUI sends it (no system message, no sampling settings): the
+    preset's request profile makes the demo model answer it right."""
+    answer = corral.client(timeout=120).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}])
+    content = answer.choices[0].message.content or ""
+    assert "Paris" in content, (model, content)
+    return content
+
+
 def ask_group(corral: Corral, group: str) -> dict[str, Any]:
     """One POST /v1/batch/execute: 200, complete, and every member answered something."""
     resp = corral.http.post("/v1/batch/execute", timeout=180, json={
@@ -159,6 +169,9 @@ def test_generic_serves_on_demand(start_corral: CorralFactory, smol_model: Path)
     assert loaded(corral) == set()
     ask(corral, "default")  # the alias of `smol`
     assert corral.model("smol")["state"] == "ready"
+    ask_plain(corral, "smol")
+    # The demo file is `smol`'s: discovery does not serve it under its own name as well.
+    assert "SmolLM2-135M-Instruct.Q4_1" not in corral.models()
 
 
 def test_openwebui_streams_the_load_then_a_right_answer(start_corral: CorralFactory,
@@ -194,8 +207,8 @@ def test_groups_serves_its_groups(start_corral: CorralFactory, smol_model: Path)
     corral = serve_preset(start_corral, PRESETS / "groups.yaml")
     # council is pinned: both members come up without a request.
     assert wait_until(lambda: ready(corral, ["smol-careful", "smol-creative"]), timeout=60)
-    ask(corral, "smol-careful")
-    ask(corral, "council")  # exposed as a model
+    ask_plain(corral, "smol-careful")
+    ask_plain(corral, "council")  # exposed as a model: the synthesis of both answers
     result = ask_group(corral, "both")
     assert [r["model"] for r in result["responses"]] == ["smol-careful", "smol-creative"]
 
@@ -232,7 +245,7 @@ def test_pinned_group_keeps_the_council_up(start_corral: CorralFactory,
     corral = serve_preset(start_corral, PRESETS / "pinned-group.yaml")
     assert wait_until(lambda: ready(corral, council), timeout=60)
     assert corral.model("assistant")["state"] == "stopped"  # on demand
-    ask(corral, "default")  # the alias of `assistant`
+    ask_plain(corral, "default")  # the alias of `assistant`
     assert loaded(corral) == {*council, "assistant"}
     ask(corral, "council")  # exposed as a model: the synthesized answer
     result = ask_group(corral, "council")
@@ -247,7 +260,7 @@ def test_multi_group_keeps_both_cores_up(start_corral: CorralFactory,
     # Each share is as big as its core: all six load at boot.
     assert wait_until(lambda: ready(corral, core_a + core_b), timeout=90)
     pids = {n: corral.model(n)["pid"] for n in core_a + core_b}
-    ask(corral, "b-careful")
+    ask_plain(corral, "b-careful")
     result = ask_group(corral, "core_a")
     assert [r["model"] for r in result["responses"]] == core_a
     ask(corral, "core_b")  # exposed as a model: the majority answer
@@ -259,7 +272,7 @@ def test_fixed_appliance_serves_its_set_only(start_corral: CorralFactory,
                                              smol_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "fixed-appliance.yaml")
     assert wait_until(lambda: ready(corral, ["chat", "summarize"]), timeout=60)
-    ask(corral, "chat")
+    ask_plain(corral, "chat")
     ask(corral, "summarize")
     resp = corral.chat("experimental", max_tokens=8)
     assert resp.status_code == 503, resp.text
@@ -269,7 +282,8 @@ def test_fixed_appliance_serves_its_set_only(start_corral: CorralFactory,
 
 def test_biggest_first_plugin_runs(start_corral: CorralFactory, smol_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "contrib" / "biggest-first.yaml")
-    for name in ("small-a", "small-b", "small-c"):
+    ask_plain(corral, "small-a")
+    for name in ("small-b", "small-c"):
         ask(corral, name)
     # max_loaded 2: the third start stopped one of the first two.
     assert len(loaded(corral)) == 2 and "small-c" in loaded(corral)
@@ -284,7 +298,7 @@ def test_biggest_first_plugin_runs(start_corral: CorralFactory, smol_model: Path
 def test_memory_preset_runs_with_budgets_and_kv_modes(start_corral: CorralFactory,
                                                       smol_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "memory.yaml")
-    ask(corral, "default")  # the alias of `chat`: adaptive, starts at the ladder's top
+    ask_plain(corral, "default")  # the alias of `chat`: adaptive, starts at the ladder's top
     ask(corral, "writer")  # auto: f16 fits the budget
     ask(corral, "reviewer")  # fixed asymmetric types
     ask_group(corral, "core")
@@ -307,7 +321,7 @@ def test_vllm_preset_serves_its_gguf_model_and_says_how_to_get_vllm(
     member it has (tests/test_vllm.py runs real vLLM children)."""
     assert "VLLM_PYTHON" not in os.environ and not Path("/opt/vllm/bin/python").exists()
     corral = serve_preset(start_corral, PRESETS / "vllm.yaml")
-    ask(corral, "helper")
+    ask_plain(corral, "helper")
     models = corral.models()
     assert {n: models[n]["backend"] for n in ("chat", "coder", "helper")} == {
         "chat": "vllm", "coder": "vllm", "helper": "llama-server"}
@@ -327,7 +341,7 @@ def test_vllm_preset_serves_its_gguf_model_and_says_how_to_get_vllm(
 def test_distributed_rpc_preset_splits_the_demo_model_over_two_local_workers(
         start_corral: CorralFactory, smol_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "distributed-rpc.yaml")
-    ask(corral, "big")  # 200 with content, through the two workers
+    ask_plain(corral, "big")  # through the two workers
     rpc = corral.model("big")["rpc"]
     assert [w["kind"] for w in rpc["deployed"]] == ["local", "local"]
     assert sum(w["layers"] for w in rpc["deployed"]) == 30  # SmolLM2-135M's layers

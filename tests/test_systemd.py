@@ -6,7 +6,7 @@ the unit file checked by `systemd-analyze`.
 - In process: the notifier's own behaviour (abstract socket, no socket, a full socket, a
   stuck loop, the coalesced status).
 - The unit: `systemd-analyze verify` and `security --offline` over a stand-in root laid out as
-  README's install steps leave a machine."""
+  the install steps of docs/operations.md leave a machine."""
 
 from __future__ import annotations
 
@@ -460,10 +460,10 @@ def test_reload_events(receiver: Receiver) -> None:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A stand-in root as README's install steps leave a machine: corral's venv in /opt/corral
-    (a stub: verify checks that ExecStart's binary is executable, never runs it), /bin/kill
-    for ExecReload, and the distribution's units (network-online.target, sysinit.target, ...)
-    the unit's dependencies name. The unit file itself goes in unchanged."""
+    """A stand-in root as the install steps of docs/operations.md leave a machine: corral's
+    venv in /opt/corral (a stub: verify checks that ExecStart's binary is executable, never
+    runs it), /bin/kill for ExecReload, and the distribution's units (network-online.target,
+    sysinit.target, ...) the unit's dependencies name. The unit file itself goes in unchanged."""
     root = tmp_path_factory.mktemp("root")
     (root / "usr" / "bin").mkdir(parents=True)
     (root / "bin").symlink_to("usr/bin")
@@ -566,9 +566,9 @@ def test_unit_directives() -> None:
 
 
 def test_readme_install_matches_the_unit() -> None:
-    """The README's install steps put corral where the unit runs it from."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Running as a service"):]
-    section = section[:section.index("\n## ", 5)]
+    """The docs' install steps (docs/operations.md) put corral where the unit runs it from."""
+    page = (REPO / "docs" / "operations.md").read_text()
+    section = page[page.index("## Running as a service"):]
+    section = section[:section.index("\n## ", 5)] if "\n## " in section[5:] else section
     assert "/opt/corral" in section and "/etc/corral/corral.yaml" in section
     assert "/var/lib/corral/models" in section
