@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,10 +74,11 @@ def cli(corral: Corral | None, *args: str, input: str | None = None, admin: bool
 class Follower:
     """`corral logs NAME -f` running, its output read line by line as it comes."""
 
-    def __init__(self, corral: Corral, *args: str):
+    def __init__(self, corral: Corral, *args: str, keys: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
             [*CORRAL, "logs", *args, "-f"],
-            env=env(corral, CORRAL_ADMIN_KEY=ADMIN_KEY), stdout=subprocess.PIPE,
+            env=env(corral, **({"CORRAL_ADMIN_KEY": ADMIN_KEY} if keys is None else keys)),
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -119,8 +121,6 @@ def follow(corral: Corral) -> Iterator[Any]:
 def table(stdout: str) -> dict[str, dict[str, str]]:
     """`corral ps`'s table by model name, cells by header. Headers and cells are split on
     runs of two spaces or more (IN FLIGHT is one header)."""
-    import re
-
     lines = stdout.strip().splitlines()
     headers = re.split(r"\s{2,}", lines[0].strip())
     rows = [re.split(r"\s{2,}", line.strip()) for line in lines[1:]]
@@ -273,6 +273,24 @@ def test_logs_follow_shows_a_starting_childs_lines_before_it_is_ready(
     assert out.startswith("gated: ready (pid ")
 
 
+def test_logs_follow_ends_with_the_childs_last_lines_when_corral_stops(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    """A daemon of its own: this one is stopped."""
+    own = start_corral({"models": {"tiny-a": {"model": str(tiny_models["tiny-a"]),
+                                              "ctx": 2048}}})
+    assert cli(own, "load", "tiny-a", admin=False).returncode == 0
+    follower = Follower(own, "tiny-a", "-n", "1", keys={})
+    try:
+        wait_until(lambda: follower.err, timeout=30)  # the stream is open
+        own.proc.send_signal(signal.SIGTERM)
+        assert follower.wait() == 0
+    finally:
+        follower.close()
+    assert follower.err[-1] == "corral: corral is shutting down"
+    # It went on until the child had stopped: the child's goodbye is there.
+    assert any("cleaning up before exit" in line for line in follower.out), follower.out
+
+
 def test_logs_follow_ends_when_the_model_leaves_the_config(corral: Corral, follow,
                                                            tiny_models, smol_model) -> None:
     follower = follow("tiny-c", "-n", "3")
@@ -308,6 +326,47 @@ def test_run_chat_from_piped_lines_keeps_the_conversation(corral: Corral) -> Non
     # The second turn carried the first question and its answer.
     assert prompt2 >= prompt1 + answer1
     assert len([line for line in run.stdout.splitlines() if line.strip()]) >= 2
+
+
+def test_run_chat_at_a_terminal(corral: Corral) -> None:
+    """On a terminal: a `>>>` prompt per turn, the answers between them, /bye ends it."""
+    import pty
+    import select
+
+    main_fd, tty_fd = pty.openpty()
+    proc = subprocess.Popen([*CORRAL, "run", "smol", "--max-tokens", "8"],
+                            env=env(corral, CORRAL_ADMIN_KEY=ADMIN_KEY), stdin=tty_fd,
+                            stdout=tty_fd, stderr=subprocess.PIPE, text=False)
+    os.close(tty_fd)
+    seen = bytearray()
+
+    def prompts() -> int:
+        while select.select([main_fd], [], [], 0)[0]:
+            try:
+                seen.extend(os.read(main_fd, 4096))
+            except OSError:  # the other end closed
+                break
+        return seen.count(b">>> ")
+
+    try:
+        wait_until(lambda: prompts() == 1, timeout=60)
+        os.write(main_fd, b"Hello!\n")
+        wait_until(lambda: prompts() == 2, timeout=120)
+        # What a reader sees, less readline's control sequences (bracketed paste, by TERM).
+        shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", seen.decode(errors="replace"))
+        echo, *answer = shown.split(">>> ")[1].strip("\n").split("\n")
+        assert echo == "Hello!"  # the terminal's echo of the typed line
+        assert "".join(answer).strip()  # then the answer
+        os.write(main_fd, b"/bye\n")
+        assert proc.wait(60) == 0
+        assert proc.stderr is not None
+        assert proc.stderr.read().decode().startswith(
+            f"chatting with smol at {corral.url}; /bye or Ctrl-D ends")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main_fd)
 
 
 def test_run_chat_ends_at_end_of_input(corral: Corral) -> None:
@@ -361,7 +420,9 @@ def test_missing_or_wrong_keys_say_which_variable(corral: Corral) -> None:
 
 
 def test_usage_errors_and_help(corral: Corral) -> None:
-    assert cli(corral, "ps", "--interval", "0").returncode == 2
+    assert cli(corral, "ps", "--watch", "--interval", "0").returncode == 2
+    count = cli(corral, "ps", "--count", "2")
+    assert count.returncode == 2 and "add --watch" in count.stderr
     assert cli(corral, "run").returncode == 2  # argparse: NAME is required
     assert cli(corral, "ps", "--url", "ftp://x").returncode == 2
     help_text = cli(corral, "stop", "--help").stdout

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser, watching: bool) -> None:
     if not watching:
         parser.add_argument("-w", "--watch", action="store_true",
                             help="refresh until interrupted (like `corral top`)")
-    parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+    parser.add_argument("--interval", type=float, metavar="SECONDS",
                         help="seconds between refreshes (default 2)")
     parser.add_argument("--count", type=int, metavar="N",
                         help="stop after N refreshes (default: until Ctrl-C)")
@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser, watching: bool) -> None:
 
 def run(client: Client, args: argparse.Namespace, out: TextIO = sys.stdout) -> Exit:
     watching = getattr(args, "watch", False) or args.command == "top"
-    if args.interval <= 0:
+    if not watching and (args.interval is not None or args.count is not None):
+        raise CtlError("--interval and --count are for a refreshing view: add --watch",
+                       Exit.USAGE)
+    interval = 2.0 if args.interval is None else args.interval
+    if interval <= 0:
         raise CtlError("--interval must be more than 0 seconds", Exit.USAGE)
     if args.count is not None and args.count < 1:
         raise CtlError("--count must be 1 or more", Exit.USAGE)
@@ -52,7 +56,7 @@ def run(client: Client, args: argparse.Namespace, out: TextIO = sys.stdout) -> E
         shown += 1
         if frames is not None and shown >= frames:
             return Exit.OK
-        time.sleep(args.interval)
+        time.sleep(interval)
 
 
 def rows(models: list[dict[str, Any]]) -> list[dict[str, Any]]:

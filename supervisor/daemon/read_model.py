@@ -81,7 +81,8 @@ async def _follow(self: Daemon, inst: Instance, lines: int,
             last_sent = now
             yield {"model": inst.name, "pid": inst.pid, "lines": batch, "skipped": skipped}
             continue
-        if self.closing:
+        if self.closing and inst.state in (State.STOPPED, State.FAILED):
+            # Once its child is gone: its last lines (the drain, the exit) were worth reading.
             yield {"model": inst.name, "end": "corral is shutting down"}
             return
         # Until a line comes, anything changes in the herd (a new child, a reload, the
