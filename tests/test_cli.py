@@ -284,6 +284,7 @@ def test_logs_follow_ends_with_the_childs_last_lines_when_corral_stops(
         wait_until(lambda: follower.err, timeout=30)  # the stream is open
         own.proc.send_signal(signal.SIGTERM)
         assert follower.wait() == 0
+        assert own.proc.wait(60) == 0  # before the factory's own SIGTERM could land on it
     finally:
         follower.close()
     assert follower.err[-1] == "corral: corral is shutting down"

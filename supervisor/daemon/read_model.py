@@ -64,13 +64,12 @@ async def _follow(self: Daemon, inst: Instance, lines: int,
     cursor = max(0, process.logs.written - lines) if process is not None else 0
     last_sent: float | None = None
     while True:
-        if self._loaded_member(inst.name) is not inst:
-            # A reload replaced it (a new spec) or removed it: follow its successor, if any.
-            successor = self._loaded_member(inst.name)
-            if successor is None:
-                yield {"model": inst.name, "end": f"{inst.name} left the config"}
-                return
-            inst = successor
+        # A reload may have replaced it (a new spec: its successor is followed) or removed it.
+        current = self._loaded_member(inst.name)
+        if current is None:
+            yield {"model": inst.name, "end": f"{inst.name} left the config"}
+            return
+        inst = current
         if inst.process is not process:  # a new child: every line of it
             process, cursor = inst.process, 0
         batch, skipped = process.logs.since(cursor) if process is not None else ([], 0)
