@@ -292,6 +292,19 @@ def test_logs_follow_ends_with_the_childs_last_lines_when_corral_stops(
     assert any("cleaning up before exit" in line for line in follower.out), follower.out
 
 
+def test_log_ring_tells_a_reader_what_came_since_and_what_it_missed() -> None:
+    """What `logs -f` reads from: a ring of a child's last lines with a count of all of them."""
+    from corral.supervisor.process import LogRing
+
+    ring = LogRing(4)
+    for n in range(10):
+        ring.append(f"line {n}")
+    assert ring.written == 10 and list(ring) == ["line 6", "line 7", "line 8", "line 9"]
+    assert ring.since(8) == (["line 8", "line 9"], 0)
+    assert ring.since(3) == (["line 6", "line 7", "line 8", "line 9"], 3)  # 3, 4, 5 went
+    assert ring.since(10) == ([], 0)
+
+
 def test_logs_follow_ends_when_the_model_leaves_the_config(corral: Corral, follow,
                                                            tiny_models, smol_model) -> None:
     follower = follow("tiny-c", "-n", "3")
