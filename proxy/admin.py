@@ -4,11 +4,15 @@ supervisor's view; never counts as use."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
 
+from corral.proxy import client_io
 from corral.proxy.errors import ApiError
+from corral.proxy.sse import KEEPALIVE, frame, sse_headers
 from corral.proxy.validate import bad, parse_json_object
 from corral.supervisor import pull as pulling
 from corral.supervisor.errors import ShuttingDown
@@ -23,6 +27,10 @@ _PULL_REFUSALS: dict[type[pulling.PullError], tuple[int, str, str | None]] = {
     pulling.PullRunning: (409, "pull_running", "name"),
     pulling.TooManyPulls: (429, "too_many_pulls", None),
 }
+
+
+# Quiet seconds before a followed log stream sends a keep-alive comment.
+_KEEPALIVE_EVERY = 15.0
 
 
 def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
@@ -40,13 +48,17 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         status = await daemon.unload(request.match_info["name"], force=force)
         return web.json_response(daemon.describe_one(status.name))
 
-    async def logs(request: web.Request) -> web.Response:
+    async def logs(request: web.Request) -> web.StreamResponse:
         # A replica's own log too: /admin/models/<model>#<n>/logs (the # URL-encoded).
         try:
-            n = max(1, min(int(request.query.get("lines", "200")), 10_000))
+            n = min(int(request.query.get("lines", "200")), 10_000)
         except ValueError:
             raise web.HTTPBadRequest(reason="lines must be an integer") from None
-        return web.json_response(request.app[key].child_logs(request.match_info["name"], n))
+        daemon, name = request.app[key], request.match_info["name"]
+        if request.query.get("follow", "").lower() in ("1", "true", "yes"):
+            # lines=0: only what comes from now on.
+            return await _follow(request, daemon.follow_logs(name, max(0, n), _KEEPALIVE_EVERY))
+        return web.json_response(daemon.child_logs(name, max(1, n)))
 
     async def memory(request: web.Request) -> web.Response:
         return web.json_response(request.app[key].memory_status())
@@ -156,3 +168,29 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     app.router.add_post("/admin/models/{name}/load", load)
     app.router.add_post("/admin/models/{name}/unload", unload)
     app.router.add_get("/admin/models/{name}/logs", logs)
+
+
+async def _follow(request: web.Request,
+                  batches: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
+    """GET /admin/models/<m>/logs?follow=1: one SSE event per batch of lines (`model`, `pid`,
+    `lines`, `skipped`), a keep-alive comment for a quiet spell, and a last event with `end`
+    (why it ends) when corral shuts down or the model leaves the config."""
+    response = web.StreamResponse(headers=sse_headers())
+    # A reader that stops reading is cut off after client_write_timeout, like /admin/events'.
+    out = client_io.writer(request, response, None)
+    try:
+        await out.prepare()
+        first = True
+        async for batch in batches:
+            # The first batch always (it says which child, even with no lines yet); later,
+            # one without lines is the keep-alive.
+            quiet = not (first or batch.get("lines") or batch.get("skipped") or "end" in batch)
+            await out.write(KEEPALIVE if quiet else frame(batch))
+            first = False
+    except client_io.ClientStalled:
+        return response  # logged and counted by the writer; the connection is cut
+    finally:
+        await batches.aclose()
+    with contextlib.suppress(ConnectionResetError):
+        await out.finish()
+    return response

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from corral.supervisor import demo, logs
+from corral.supervisor import ctl, demo, logs
 from corral.supervisor.config import (
     Config,
     ConfigError,
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                            "relative to the working directory)")
     pull.add_argument("--force", action="store_true", help="replace a model file of that name")
 
+    ctl.add_commands(sub)  # ps, top, load, stop, logs, run: clients of a running daemon
+
     args = parser.parse_args(argv)
+    if args.command in ctl.COMMANDS:
+        return ctl.run(args)
     if args.command == "check":
         return _check(args.files, files=not args.no_files)
     if args.command == "schema":

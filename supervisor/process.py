@@ -10,7 +10,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 
 import aiohttp
 import psutil
@@ -123,6 +123,40 @@ def _child_setup() -> None:
         os._exit(1)
 
 
+class LogRing:
+    """A child's last lines, with a count of every line ever kept: a reader that remembers the
+    count (its cursor) asks for what came since, and may wait for more."""
+
+    def __init__(self, maxlen: int):
+        self._lines: deque[str] = deque(maxlen=maxlen)
+        self.written = 0  # lines kept so far, those that fell off the ring included
+        self._grown = asyncio.Event()
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)
+        self.written += 1
+        self._grown.set()
+        self._grown = asyncio.Event()  # re-armed: the next waiter waits for the next line
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def since(self, cursor: int) -> tuple[list[str], int]:
+        """The lines kept after `cursor` that the ring still holds, and how many more came
+        after it that it no longer holds (a reader that fell behind a chatty child)."""
+        first = self.written - len(self._lines)  # the cursor of the oldest line held
+        start = max(cursor, first)
+        return list(self._lines)[start - first:], start - cursor
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until a line comes, or `timeout` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._grown.wait(), timeout)
+
+
 class ChildProcess:
     """A spawned native server. Knows nothing about models beyond a name for its logs."""
 
@@ -134,7 +168,7 @@ class ChildProcess:
         self._keeper = keeper
         self.argv = list(argv)
         self.env = dict(env)
-        self.logs: deque[str] = deque(maxlen=log_lines)
+        self.logs = LogRing(log_lines)
         self.started_at: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None

@@ -176,6 +176,7 @@ class Daemon:
     describe = read_model_part.describe
     describe_one = read_model_part.describe_one
     child_logs = read_model_part.child_logs
+    follow_logs = read_model_part.follow_logs
     status = read_model_part.status
     statuses = read_model_part.statuses
     ready_now = read_model_part.ready_now

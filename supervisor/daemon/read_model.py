@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from corral.supervisor.config import GroupSpec, LoadedConfig
 from corral.supervisor.errors import NotServed
-from corral.supervisor.instance import State
+from corral.supervisor.instance import Instance, State
 from corral.supervisor.inventory import cached_facts, read_facts
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
@@ -29,17 +29,72 @@ def groups(self: Daemon) -> Mapping[str, GroupSpec]:
 
 def describe(self: Daemon) -> list[dict[str, Any]]:
     now = time.monotonic()
-    return [r.describe(now) for rs in self.models.values() for r in rs.members]
+    return [_admin_view(self, r, now) for rs in self.models.values() for r in rs.members]
 
 def describe_one(self: Daemon, name: str) -> dict[str, Any]:
     """The admin view of one model's instance named like it (an alias resolves)."""
-    return self.instance(name).describe()
+    return _admin_view(self, self.instance(name), time.monotonic())
+
+def _admin_view(self: Daemon, inst: Instance, now: float) -> dict[str, Any]:
+    # What its child holds per device (measured, the estimate until measured): the memory
+    # tracker's, which the instance does not know.
+    return {**inst.describe(now),
+            "memory_mib": {d: round(b / MIB, 1) for d, b in sorted(self._footprint(inst).items())}}
 
 def child_logs(self: Daemon, key: str, lines: int) -> dict[str, Any]:
     """The last `lines` lines a model's child (or one replica's, "<model>#<n>") wrote."""
     inst = self.member(key)
     return {"model": inst.name, "pid": inst.pid,
             "lines": inst.process.tail(lines) if inst.process else []}
+
+def follow_logs(self: Daemon, key: str, lines: int,
+                idle: float) -> AsyncGenerator[dict[str, Any], None]:
+    """What a model's child (or one replica's) writes, as it writes it: its last `lines`
+    lines first, then batches of new ones; after a restart, the new child's lines from its
+    first. `skipped`: lines that came and went off the ring before they could be read. A batch
+    without lines after `idle` quiet seconds (the reader's keep-alive). The last item says why
+    it ends (`end`): corral shuts down, or the model left the config. An unknown name raises
+    UnknownModel here, before the first batch."""
+    return _follow(self, self.member(key), lines, idle)
+
+async def _follow(self: Daemon, inst: Instance, lines: int,
+                  idle: float) -> AsyncGenerator[dict[str, Any], None]:
+    loop = asyncio.get_running_loop()
+    process = inst.process
+    cursor = max(0, process.logs.written - lines) if process is not None else 0
+    last_sent: float | None = None
+    while True:
+        # A reload may have replaced it (a new spec: its successor is followed) or removed it.
+        current = self._loaded_member(inst.name)
+        if current is None:
+            yield {"model": inst.name, "end": f"{inst.name} left the config"}
+            return
+        inst = current
+        if inst.process is not process:  # a new child: every line of it
+            process, cursor = inst.process, 0
+        batch, skipped = process.logs.since(cursor) if process is not None else ([], 0)
+        if process is not None:
+            cursor = process.logs.written
+        now = loop.time()
+        if batch or skipped or last_sent is None or now - last_sent >= idle:
+            last_sent = now
+            yield {"model": inst.name, "pid": inst.pid, "lines": batch, "skipped": skipped}
+            continue
+        if self.closing and inst.state in (State.STOPPED, State.FAILED):
+            # Once its child is gone: its last lines (the drain, the exit) were worth reading.
+            yield {"model": inst.name, "end": "corral is shutting down"}
+            return
+        # Until a line comes, anything changes in the herd (a new child, a reload, the
+        # shutdown), or the keep-alive is due.
+        waits = [asyncio.ensure_future(self._changed.wait(None))]
+        if process is not None:
+            waits.append(asyncio.ensure_future(process.logs.wait(None)))
+        try:
+            await asyncio.wait(waits, timeout=idle - (now - last_sent),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
 
 def status(self: Daemon, name: str) -> ModelStatus:
     """One model (a canonical name, an alias) over its replicas. Raises UnknownModel."""

@@ -211,6 +211,9 @@ async def _spawn_and_wait(self: Instance, session: aiohttp.ClientSession,
         if deployment is None else \
         ProcessSet(self.name, argv, env, deployment, keeper=self._keeper)
     self.process = process
+    # A reader following the model's log (GET /admin/models/<m>/logs?follow=1) moves on to
+    # this child's lines as it starts, not once it is ready.
+    self._on_change()
     self._headers = {"Authorization": f"Bearer {api_key}"}
     # Shielded: a stop arriving mid-spawn must find a child it can stop, not an exec
     # that finished after its caller gave up on it.
