@@ -42,7 +42,11 @@ log = structlog.get_logger("corral")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="corral", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="corral",
+        description="One OpenAI-compatible endpoint in front of a herd of inference servers. "
+                    "`corral serve` runs it; ps, top, load, stop, logs and run talk to a running "
+                    "one (--url, else CORRAL_URL, else http://127.0.0.1:8080).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon and the OpenAI-compatible proxy")

@@ -141,8 +141,11 @@ def docs_corral(docs_factory: CorralFactory, smol_model: Path,
     return docs_factory.serve(path)
 
 
-def environment(block: Block) -> dict[str, str]:
+def environment(block: Block, corral: Corral | None = None) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    if corral is not None:
+        # What a reader's `corral ps` finds by default (127.0.0.1:8080) is this daemon here.
+        env["CORRAL_URL"] = corral.url
     for pair in shlex.split(block.markers.get("env", "")):
         name, _, value = pair.partition("=")
         env[name] = value
@@ -184,14 +187,15 @@ def check_output(block: Block, done: subprocess.CompletedProcess[str]) -> None:
 
 def run_shell(block: Block, corral: Corral, cwd: Path) -> None:
     done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", aimed_at(block.text, corral)],
-                          cwd=cwd, env=environment(block), capture_output=True, text=True,
+                          cwd=cwd, env=environment(block, corral), capture_output=True, text=True,
                           timeout=240)
     check_output(block, done)
 
 
 def run_python(block: Block, corral: Corral, cwd: Path) -> None:
     done = subprocess.run([sys.executable, "-c", aimed_at(block.text, corral)], cwd=cwd,
-                          env=environment(block), capture_output=True, text=True, timeout=240)
+                          env=environment(block, corral), capture_output=True, text=True,
+                          timeout=240)
     check_output(block, done)
 
 
