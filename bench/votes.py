@@ -6,8 +6,12 @@ Five SmolLM2 members sample (temperature 0.8, each its own fixed seed: every gro
 them gets the same answers) on 20 short-answer questions: capitals, arithmetic, yes/no.
 Groups, all fan_out with selector majority over the five:
   exact        the answers' normalized text
-  similar      clusters of SmolLM2 embeddings (--embeddings --pooling mean), --threshold
-  extract      a regex per kind of question (a council for sums extracts the number)
+  similar      clusters of all-MiniLM-L6-v2 embeddings (a sentence-embedding model, converted
+               by tests/minilm_gguf.py; --embeddings --pooling mean), per --thresholds
+  extract      a regex per kind of question (a council for sums extracts the number) over
+               the answers to "Answer the question briefly."
+  format       as docs/votes.md tells users: the system prompt asks for a last line
+               "Answer: <answer>"; the regex reads that line, else what `extract` reads
   json         the members answer JSON under the group's response_format; $.answer is the vote
 A grader, independent of corral, reads what each answer carries (the capital it names first,
 the number it gives as the result, its first yes/no). "Majority present": at least 3 of the 5
@@ -28,12 +32,16 @@ from collections import Counter
 from typing import Any
 
 import httpx
+from minilm_gguf import write_minilm_gguf
 
 from _harness import REPO, code_note, corral, machine_note
 
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"
 MEMBERS = [f"s{n}" for n in range(1, 6)]
 SYSTEM = "Answer the question briefly."
+SYSTEM_FORMAT = ("Answer the question briefly. End with a last line of the form "
+                 "'Answer: <answer>', the answer alone: a name, a number, yes or no.")
 QUESTIONS: list[tuple[str, str, str]] = [  # kind, question, answer
     ("capital", "What is the capital of France?", "Paris"),
     ("capital", "What is the capital of Japan?", "Tokyo"),
@@ -66,6 +74,14 @@ REGEX = {
     "sum": r"(?:[=:]|\bis|\bequals)\s*(-?\d+)|^\D*(-?\d+)\D*$",
     "yesno": r"(?i)\b(yes|no)\b",
 }
+# Asked for "Answer: <answer>": that line's value (the last such line), else the free-text
+# regex. (?s) lets .* reach the last "Answer:"; at the start of the text that alternative
+# comes first, so a formatted answer is read by its line.
+FORMAT_VALUE = {"capital": CITY, "sum": r"-?\d+", "yesno": r"(?i:yes|no)"}
+FORMAT_REGEX = {
+    kind: rf"(?s)\A.*\b(?i:answer):\W*({FORMAT_VALUE[kind]})\b|"
+          + re.sub(r"^\(\?i\)(.*)$", r"(?i:\1)", REGEX[kind])  # (?i) only leads a regex
+    for kind in REGEX}
 ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
     "required": ["answer"]}}}
@@ -98,13 +114,18 @@ def json_answer(text: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+def ask(question: str, system: str, max_tokens: int) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}], "max_tokens": max_tokens}
+
+
 def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
     models: dict[str, Any] = {
         name: {"model": str(SMOL), "ctx": 1024,
                "request": {"set": {"temperature": 0.8, "seed": seed}}}
         for seed, name in enumerate(MEMBERS, 11)}
     models["greedy"] = {"model": str(SMOL), "ctx": 1024, "request": {"set": {"temperature": 0}}}
-    models["embed"] = {"model": str(SMOL), "ctx": 1024, "embeddings": True,
+    models["embed"] = {"model": str(MINILM), "ctx": 512, "embeddings": True,
                        "args": ["--pooling", "mean"]}
     majority = {"models": MEMBERS, "type": "fan_out", "selector": "majority",
                 "member_timeout": 300}
@@ -115,6 +136,8 @@ def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
            for t in thresholds},
         **{f"extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in REGEX.items()},
+        **{f"format-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
+           for kind, regex in FORMAT_REGEX.items()},
         "json": {**majority, "compare": {"extract": {"json_path": "$.answer"}},
                  "response_format": ANSWER_SCHEMA},
     }
@@ -147,16 +170,19 @@ class Score:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--thresholds", default="0.85,0.9,0.95",
+    parser.add_argument("--thresholds", default="0.7,0.8,0.9",
                         help="the similar groups' cosine thresholds, comma-separated")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--verbose", action="store_true", help="print every answer and vote")
     args = parser.parse_args()
     assert SMOL.is_file(), f"{SMOL} missing: `make demo-model`"
+    if not MINILM.is_file():
+        write_minilm_gguf(MINILM)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     models, groups = config(thresholds)
-    names = ["exact", "extract", *(f"similar-{t:g}" for t in thresholds), "json"]
+    names = ["exact", "extract", "format", *(f"similar-{t:g}" for t in thresholds), "json"]
+    prompted = {"format": SYSTEM_FORMAT}  # groups whose members are asked another way
     scores = {name: Score() for name in names}
     greedy_right = 0
     changed = 0
@@ -166,13 +192,12 @@ def main() -> None:
         for name in models:
             client.post(f"/admin/models/{name}/load")
         for kind, question, expected in QUESTIONS[:args.questions]:
-            messages = [{"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": question}]
-            body = {"messages": messages, "max_tokens": args.max_tokens}
             results = {}
             for name in names:
-                group = f"extract-{kind}" if name == "extract" else name
-                reply = client.post("/v1/batch/execute", json={**body, "group": group})
+                group = f"{name}-{kind}" if name in ("extract", "format") else name
+                reply = client.post("/v1/batch/execute", json={
+                    **ask(question, prompted.get(name, SYSTEM), args.max_tokens),
+                    "group": group})
                 assert reply.status_code == 200, reply.text
                 results[name] = reply.json()
             for name, result in results.items():
@@ -187,9 +212,10 @@ def main() -> None:
                           f" blocs {[b['members'] for b in vote['blocs']]} -> "
                           f"{chosen!r}\n    " + "\n    ".join(repr(a[:90]) for a in answers))
             texts = [[m["content"] for m in results[n]["responses"]]
-                     for n in names if n != "json"]
+                     for n in names if n != "json" and n not in prompted]
             changed += any(t != texts[0] for t in texts)
-            alone = client.post("/v1/chat/completions", json={**body, "model": "greedy"})
+            alone = client.post("/v1/chat/completions", json={
+                **ask(question, SYSTEM, args.max_tokens), "model": "greedy"})
             greedy = alone.json()["choices"][0]["message"]["content"]
             greedy_right += carried(kind, greedy) == expected.lower()
     asked = min(args.questions, len(QUESTIONS))
