@@ -32,9 +32,9 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from minilm_gguf import write_minilm_gguf
 
 from _harness import REPO, code_note, corral, machine_note
+from minilm_gguf import write_minilm_gguf
 
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"
@@ -146,14 +146,19 @@ def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 class Score:
     def __init__(self) -> None:
-        self.present = self.found = self.right = self.questions = 0
+        self.present = self.found = self.right = self.questions = self.mixed = 0
         self.member_right: list[float] = []
 
     def add(self, kind: str, expected: str, answers: list[str], chosen: str,
-            agree: int) -> None:
+            bloc: list[int]) -> None:
+        """`bloc`: the members of the vote's winning bloc."""
         graded = [carried(kind, a) for a in answers]
         top = Counter(g for g in graded if g is not None).most_common(1)
+        agree = len(bloc)
         self.questions += 1
+        # A bloc is only a majority of one answer if its members carry one answer: a loose
+        # comparison finds "majorities" by lumping different answers together.
+        self.mixed += len({graded[i] for i in bloc} - {None}) > 1
         if top and top[0][1] >= 3:
             self.present += 1
             self.found += agree >= 3 and carried(kind, chosen) == top[0][0]
@@ -165,12 +170,13 @@ class Score:
             f" ({100 * self.found / self.present:.0f} %)" if self.present else "")
         return (f"  {name:12} majority present {self.present:2}/{self.questions}, found "
                 f"{found:12} vote right {self.right:2}/{self.questions}, one sampled member "
-                f"right {sum(self.member_right):4.1f}/{self.questions}")
+                f"right {sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes "
+                f"answers {self.mixed:2}/{self.questions}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--thresholds", default="0.7,0.8,0.9",
+    parser.add_argument("--thresholds", default="0.5,0.6,0.7,0.8",
                         help="the similar groups' cosine thresholds, comma-separated")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -205,7 +211,9 @@ def main() -> None:
                 chosen = result["final"]
                 if name == "json":
                     answers, chosen = [json_answer(a) for a in answers], json_answer(chosen)
-                scores[name].add(kind, expected, answers, chosen, result["vote"]["agree"])
+                scores[name].add(kind, expected, answers, chosen,
+                                 result["vote"]["blocs"][0]["members"]
+                                 if result["vote"]["blocs"] else [])
                 if args.verbose:
                     vote = result["vote"]
                     print(f"{question} [{name}] votes {[v['vote'] for v in vote['votes']]}"
@@ -224,7 +232,8 @@ def main() -> None:
     for name, score in scores.items():
         print(score.line(name))
     print("  (majority present: >= 3 of 5 answers carry the same answer, as the bench's grader "
-          "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it)")
+          "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it;\n"
+          "   mixes answers: the winning bloc's answers carry different things)")
     free = statistics.mean(scores["exact"].member_right) * asked
     print(f"  greedy decoding right {greedy_right}/{asked}; one sampled member (free text) "
           f"right {free:.1f}/{asked}")

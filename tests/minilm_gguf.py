@@ -13,6 +13,7 @@ written bare, special tokens as they are."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def write_minilm_gguf(path: Path, folder: Path | None = None) -> Path:
     assert len(tokens) == config["vocab_size"], (len(tokens), config["vocab_size"])
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     writer = GGUFWriter(str(partial), "bert")
     writer.add_name("all-MiniLM-L6-v2")
     writer.add_file_type(LlamaFileType.MOSTLY_F16)

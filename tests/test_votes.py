@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from minilm_gguf import model_dir, write_minilm_gguf
 from prometheus_client.parser import text_string_to_metric_families
 
 from corral.proxy import votes
@@ -26,6 +25,7 @@ from corral.supervisor.config import GroupSpec, jsonpath
 from corral.supervisor.config.specs import VoteSpec
 
 from conftest import Corral, CorralFactory
+from minilm_gguf import model_dir
 
 pytestmark = pytest.mark.expect_log("proxy.group_failed")
 
@@ -75,12 +75,7 @@ GROUPS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_minilm_gguf(tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2.F16.gguf")
-
-
-@pytest.fixture(scope="module")
-def corral(start_corral_module: CorralFactory, smol_model: Path, minilm: Path) -> Corral:
+def corral(start_corral_module: CorralFactory, smol_model: Path, minilm_model: Path) -> Corral:
     models: dict[str, Any] = {
         name: {"model": str(smol_model), "ctx": 512,
                "request": {"set": {"grammar": f"root ::= {json.dumps(text)}",
@@ -89,7 +84,7 @@ def corral(start_corral_module: CorralFactory, smol_model: Path, minilm: Path) -
     models.update({name: {"model": str(smol_model), "ctx": 1024,
                           "request": {"system_prompt": prompt, "set": {"temperature": 0}}}
                    for name, prompt in FREE.items()})
-    models["embed"] = {"model": str(minilm), "ctx": 512, "embeddings": True,
+    models["embed"] = {"model": str(minilm_model), "ctx": 512, "embeddings": True,
                        "args": ["--pooling", "mean"]}
     config = {"defaults": {"ttl": 600, "stop_grace": 5}, "models": models,
               "policy": {"max_loaded": len(models)}, "groups": GROUPS}
