@@ -16,8 +16,8 @@ from typing import Any
 from corral.supervisor.config import jsonpath
 from corral.supervisor.config.specs import VoteSpec
 
-__all__ = ["Ballot", "Bloc", "Tally", "ballots", "cluster", "extract", "normalized",
-           "tally_by_value", "tally_similar"]
+__all__ = ["Ballot", "Bloc", "Tally", "ballots", "cluster", "extract", "first_sentence",
+           "normalized", "tally_by_value", "tally_similar"]
 
 
 def normalized(text: str) -> str:
@@ -43,12 +43,33 @@ def extract(rule: VoteSpec, text: str) -> str | None:
     elif rule.extract == "last_line":
         lines = [line for line in text.splitlines() if line.strip()]
         value = lines[-1] if lines else None
+    elif rule.extract == "first_sentence":
+        value = first_sentence(text)
     else:
         value = text
     if value is None:
         return None
     value = normalized(value)
     return value or None
+
+
+# A list marker or emphasis that opens a line ("1. ", "- ", "**") is no sentence of its own.
+_LEAD = re.compile(r"^\s*(?:(?:[-*+\u2022]|\d+[.)])\s+)?[*_#>\s]*")
+# A sentence ends at . ! ? (or a run of them, closing marks after) followed by a space:
+# "3.5" and "e.g.," go on.
+_END = re.compile(r"[.!?\u2026]+[*_\"')\]\u201d]*(?=\s|$)")
+
+
+def first_sentence(text: str) -> str | None:
+    """The first sentence of the first non-empty line. A model that answers and then goes on
+    ("Paris. It is also known for...") says its answer there; what follows is what makes two
+    rambling answers with one answer look different to an embeddings model."""
+    line = next((line for line in text.splitlines() if line.strip()), None)
+    if line is None:
+        return None
+    line = _LEAD.sub("", line)
+    end = _END.search(line)
+    return (line[:end.start()] if end else line).strip().rstrip("*_").strip() or None
 
 
 @dataclass(frozen=True)

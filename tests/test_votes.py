@@ -40,6 +40,11 @@ FIXED = {
     "lyon-1": "The capital of France is Lyon.",  # paris-1's words, another answer
     "lyon-2": "Lyon, I believe.",
     "banana": "Bananas are a yellow fruit rich in potassium.",
+    # Two answers that ramble on alike after different first sentences.
+    "ramble-paris": "The capital of France is Paris. It has many old museums, busy markets "
+                    "and a long river.",
+    "ramble-lyon": "The capital of France is Lyon. It has many old museums, busy markets "
+                   "and a long river.",
 }
 FREE = {"free-1": "You are a geography teacher.", "free-2": "You answer in one word.",
         "free-3": "You are a helpful assistant."}
@@ -62,6 +67,11 @@ GROUPS: dict[str, dict[str, Any]] = {
     "tie-paris-first": fan(["paris-1", "lyon-1", "paris-2", "lyon-2"], CITY),
     "by-meaning": fan(["banana", "paris-1", "lyon-1", "paris-2", "paris-3"],
                       {"similar": {"model": "embed", "threshold": 0.8}}),
+    "rambles-whole": fan(["ramble-paris", "ramble-lyon", "paris-2"],
+                         {"similar": {"model": "embed", "threshold": 0.8}}),
+    "rambles-first": fan(["ramble-paris", "ramble-lyon", "paris-2"],
+                         {"extract": {"first_sentence": True},
+                          "similar": {"model": "embed", "threshold": 0.8}}),
     "by-json": fan(list(FREE), {"extract": {"json_path": "$.answer"}},
                    response_format=CITY_SCHEMA),
     "last-line": fan(["lyon-2", "paris-1", "paris-2"], {"extract": {"last_line": True}}),
@@ -206,6 +216,23 @@ def test_paraphrases_cluster_apart_from_another_answer(corral: Corral) -> None:
     assert result["final"] == result["responses"][closest]["content"]
 
 
+def test_first_sentences_cluster_where_whole_rambling_answers_mislead(corral: Corral) -> None:
+    # Whole answers: the same rambling after "...is Paris." and "...is Lyon." is what the
+    # embeddings see (0.87 cosine), and the winning bloc mixes two answers.
+    whole = ok(corral, "rambles-whole")["vote"]
+    assert whole["compare"] == "similar"
+    assert [b["members"] for b in whole["blocs"]] == [[0, 1], [2]]
+    # Their first sentences: the two ways of saying Paris agree, Lyon stands apart.
+    result = ok(corral, "rambles-first")
+    vote = result["vote"]
+    assert vote["compare"] == "extract+similar"
+    assert [v["vote"] for v in vote["votes"]] == [
+        "the capital of france is paris", "the capital of france is lyon",
+        "paris is the capital of france"]
+    assert [b["members"] for b in vote["blocs"]] == [[0, 2], [1]]
+    assert "paris" in result["final"].lower() and "lyon" not in result["final"].lower()
+
+
 def test_quorum_missed_fails_under_strict(corral: Corral) -> None:
     resp = batch(corral, "quorum-strict")
     assert resp.status_code == 502
@@ -329,7 +356,7 @@ def test_corral_check_points_at_each_bad_vote(tmp_path: Path, smol_model: Path) 
         (33, "groups.unknown.compare.similar.model: unknown model 'nope'"),
         (37, "groups.chain.quorum: quorum applies to parallel and consensus groups"),
         (42, "groups.two-ways.compare.extract: give exactly one of regex, json_path, "
-             "last_line (got regex, last_line)"),
+             "last_line, first_sentence (got regex, last_line)"),
     ]
     assert len(errors) == len(expected), errors
     for line, (number, text) in zip(errors, expected, strict=True):
@@ -354,6 +381,12 @@ def test_extraction_rules() -> None:
     assert votes.extract(path, '```json\n{"items": [0, {"the answer": 4}]}\n```') == "4"
     assert votes.extract(path, '{"items": []}') is None
     assert votes.extract(path, "not json") is None
+    first = rule(extract="first_sentence")
+    assert votes.extract(first, "\n**Paris.** It has museums. And a river.") == "paris"
+    assert votes.extract(first, "1. The answer is 3.5! Then 4.") == "the answer is 3.5"
+    assert votes.extract(first, "Paris, e.g., is one.\nLyon.") == "paris, e.g., is one"
+    assert votes.extract(first, "Yes\nbecause the sun is a star.") == "yes"
+    assert votes.extract(first, " \n...") is None
     last = rule(extract="last_line")
     assert votes.extract(last, "Let me think.\n\n  The answer is 12.  \n") == "the answer is 12"
     assert votes.extract(rule(), "  Paris,   FRANCE. ") == "paris, france"

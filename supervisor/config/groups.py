@@ -111,9 +111,10 @@ def _vote(g: GroupConfig, at: Loc, problem: Callable[[Loc, str], None],
         e = compare.extract
         where: Loc = (*at, "compare", "extract")
         chosen = [k for k, v in (("regex", e.regex), ("json_path", e.json_path),
-                                 ("last_line", e.last_line)) if v]
+                                 ("last_line", e.last_line),
+                                 ("first_sentence", e.first_sentence)) if v]
         if len(chosen) != 1:
-            problem(where, "give exactly one of regex, json_path, last_line"
+            problem(where, "give exactly one of regex, json_path, last_line, first_sentence"
                     + (f" (got {', '.join(chosen)})" if chosen else ""))
         elif e.regex is not None:
             try:
@@ -132,8 +133,10 @@ def _vote(g: GroupConfig, at: Loc, problem: Callable[[Loc, str], None],
                 problem((*where, "json_path"), str(exc))
                 path = ()
             spec = dataclasses.replace(spec, extract="json", json_path=path)
-        else:
+        elif e.last_line:
             spec = dataclasses.replace(spec, extract="last_line")
+        else:
+            spec = dataclasses.replace(spec, extract="first_sentence")
     if compare.similar is not None:
         where = (*at, "compare", "similar", "model")
         embedder = canonical(compare.similar.model, where)

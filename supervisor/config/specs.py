@@ -122,10 +122,11 @@ class GroupSpec:
 @dataclass(frozen=True)
 class VoteSpec:
     """How a group's answers are compared and counted. `extract` takes the vote out of an
-    answer (regex: its first group; json: the value at `json_path`; last_line); `similar`
+    answer (regex: its first group; json: the value at `json_path`; last_line;
+    first_sentence); `similar`
     clusters (the extracted votes, else the answers) by the embeddings of `similar_model`."""
 
-    extract: Literal["regex", "json", "last_line"] | None = None
+    extract: Literal["regex", "json", "last_line", "first_sentence"] | None = None
     regex: str | None = None
     json_path: tuple[str | int, ...] = ()
     similar_model: str | None = None

@@ -19,7 +19,7 @@ QuorumFallback = Literal["strict", "partial"]
 
 
 class ExtractConfig(BaseModel):
-    """What of an answer is its vote: exactly one of the three."""
+    """What of an answer is its vote: exactly one of the four."""
 
     model_config = STRICT
 
@@ -30,6 +30,9 @@ class ExtractConfig(BaseModel):
         None, description="a path into an answer that is JSON, e.g. $.answer or "
         "$.items[0].name (set the group's response_format so members answer JSON)")
     last_line: bool = Field(False, description="the answer's last non-empty line is the vote")
+    first_sentence: bool = Field(
+        False, description="the answer's first sentence is the vote (up to the first . ! or ? "
+        "followed by a space, or the end of its first non-empty line)")
 
 
 class SimilarConfig(BaseModel):
