@@ -7,7 +7,14 @@ them gets the same answers) on 20 short-answer questions: capitals, arithmetic, 
 Groups, all fan_out with selector majority over the five:
   exact        the answers' normalized text
   similar      clusters of all-MiniLM-L6-v2 embeddings (a sentence-embedding model, converted
-               by tests/minilm_gguf.py; --embeddings --pooling mean), per --thresholds
+               by tests/minilm_gguf.py; --embeddings --pooling mean) of the whole answers,
+               per --thresholds
+  short        the same over the answers to "Answer in as few words as you can."
+  first        the same over the answers' first sentences (extract first_sentence + similar)
+  line         the members asked for a last line "Answer: <answer>" (as `format`); one
+               regex for every question reads that line's text, which is embedded
+               (--line: SmolLM2-135M rarely writes that line, so this finds nothing)
+  short-extract  `extract`'s regexes over the answers to "Answer in as few words as you can."
   extract      a regex per kind of question (a council for sums extracts the number) over
                the answers to "Answer the question briefly."
   format       as docs/votes.md tells users: the system prompt asks for a last line
@@ -40,6 +47,7 @@ SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"
 MEMBERS = [f"s{n}" for n in range(1, 6)]
 SYSTEM = "Answer the question briefly."
+SYSTEM_SHORT = "Answer in as few words as you can."
 SYSTEM_FORMAT = ("Answer the question briefly. End with a last line of the form "
                  "'Answer: <answer>', the answer alone: a name, a number, yes or no.")
 QUESTIONS: list[tuple[str, str, str]] = [  # kind, question, answer
@@ -82,6 +90,15 @@ FORMAT_REGEX = {
     kind: rf"(?s)\A.*\b(?i:answer):\W*({FORMAT_VALUE[kind]})\b|"
           + re.sub(r"^\(\?i\)(.*)$", r"(?i:\1)", REGEX[kind])  # (?i) only leads a regex
     for kind in REGEX}
+# The `line` groups: whatever follows the last "Answer:", for every kind of question alike.
+ANSWER_LINE = r"(?s)\A.*\b(?i:answer):[ \t]*([^\n]*\S)"
+# The similar families: (system prompt, what of an answer is embedded).
+SIMILAR: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "similar": (SYSTEM, None),
+    "short": (SYSTEM_SHORT, None),
+    "first": (SYSTEM, {"first_sentence": True}),
+}
+LINE = ("line", (SYSTEM_FORMAT, {"regex": ANSWER_LINE}))
 ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
     "required": ["answer"]}}}
@@ -119,7 +136,9 @@ def ask(question: str, system: str, max_tokens: int) -> dict[str, Any]:
                          {"role": "user", "content": question}], "max_tokens": max_tokens}
 
 
-def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
+def config(thresholds: list[float],
+           similar: dict[str, tuple[str, dict[str, Any] | None]]
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
     models: dict[str, Any] = {
         name: {"model": str(SMOL), "ctx": 1024,
                "request": {"set": {"temperature": 0.8, "seed": seed}}}
@@ -131,10 +150,13 @@ def config(thresholds: list[float]) -> tuple[dict[str, Any], dict[str, Any]]:
                 "member_timeout": 300}
     groups = {
         "exact": majority,
-        **{f"similar-{t:g}": {**majority, "compare": {"similar": {"model": "embed",
-                                                                   "threshold": t}}}
-           for t in thresholds},
+        **{f"{family}-{t:g}": {**majority, "compare": {
+            "similar": {"model": "embed", "threshold": t},
+            **({"extract": extract} if extract else {})}}
+           for family, (_, extract) in similar.items() for t in thresholds},
         **{f"extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
+           for kind, regex in REGEX.items()},
+        **{f"short-extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in REGEX.items()},
         **{f"format-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in FORMAT_REGEX.items()},
@@ -148,6 +170,8 @@ class Score:
     def __init__(self) -> None:
         self.present = self.found = self.right = self.questions = self.mixed = 0
         self.member_right: list[float] = []
+        # kind of question -> [majority present, found, winning bloc mixes, questions]
+        self.kinds: dict[str, list[int]] = {}
 
     def add(self, kind: str, expected: str, answers: list[str], chosen: str,
             bloc: list[int]) -> None:
@@ -158,37 +182,54 @@ class Score:
         self.questions += 1
         # A bloc is only a majority of one answer if its members carry one answer: a loose
         # comparison finds "majorities" by lumping different answers together.
-        self.mixed += len({graded[i] for i in bloc} - {None}) > 1
-        if top and top[0][1] >= 3:
-            self.present += 1
-            self.found += agree >= 3 and carried(kind, chosen) == top[0][0]
+        mixed = len({graded[i] for i in bloc} - {None}) > 1
+        self.mixed += mixed
+        present = bool(top) and top[0][1] >= 3
+        found = present and agree >= 3 and carried(kind, chosen) == top[0][0]
+        self.present += present
+        self.found += found
+        counts = self.kinds.setdefault(kind, [0, 0, 0, 0])
+        for n, value in enumerate((present, found, mixed, True)):
+            counts[n] += value
         self.right += carried(kind, chosen) == expected.lower()
         self.member_right.append(sum(g == expected.lower() for g in graded) / len(graded))
 
     def line(self, name: str) -> str:
         found = f"{self.found}/{self.present}" + (
             f" ({100 * self.found / self.present:.0f} %)" if self.present else "")
-        return (f"  {name:12} majority present {self.present:2}/{self.questions}, found "
+        return (f"  {name:13} majority present {self.present:2}/{self.questions}, found "
                 f"{found:12} vote right {self.right:2}/{self.questions}, one sampled member "
                 f"right {sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes "
                 f"answers {self.mixed:2}/{self.questions}")
 
+    def by_kind(self, name: str) -> str:
+        return f"  {name:13} " + " | ".join(
+            f"{kind} found {p and f'{f}/{p}':5} mixes {m}/{n}"
+            for kind, (p, f, m, n) in self.kinds.items())
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--thresholds", default="0.5,0.6,0.7,0.8",
+    parser.add_argument("--thresholds", default="0.5,0.6,0.7,0.8,0.9",
                         help="the similar groups' cosine thresholds, comma-separated")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--verbose", action="store_true", help="print every answer and vote")
+    parser.add_argument("--line", action="store_true",
+                        help="also the `line` groups (similar over an 'Answer:' line's text)")
     args = parser.parse_args()
     assert SMOL.is_file(), f"{SMOL} missing: `make demo-model`"
     if not MINILM.is_file():
         write_minilm_gguf(MINILM)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    models, groups = config(thresholds)
-    names = ["exact", "extract", "format", *(f"similar-{t:g}" for t in thresholds), "json"]
-    prompted = {"format": SYSTEM_FORMAT}  # groups whose members are asked another way
+    similar = dict([*SIMILAR.items(), *([LINE] if args.line else [])])
+    models, groups = config(thresholds, similar)
+    names = ["exact", "extract", "format", "short-extract",
+             *(f"{family}-{t:g}" for family in similar for t in thresholds), "json"]
+    # Groups whose members are asked another way.
+    prompted = {"format": SYSTEM_FORMAT, "short-extract": SYSTEM_SHORT,
+                **{f"{family}-{t:g}": system for family, (system, _) in similar.items()
+                   if system != SYSTEM for t in thresholds}}
     scores = {name: Score() for name in names}
     greedy_right = 0
     changed = 0
@@ -200,7 +241,8 @@ def main() -> None:
         for kind, question, expected in QUESTIONS[:args.questions]:
             results = {}
             for name in names:
-                group = f"{name}-{kind}" if name in ("extract", "format") else name
+                group = f"{name}-{kind}" if name in ("extract", "format", "short-extract") \
+                    else name
                 reply = client.post("/v1/batch/execute", json={
                     **ask(question, prompted.get(name, SYSTEM), args.max_tokens),
                     "group": group})
@@ -234,6 +276,9 @@ def main() -> None:
     print("  (majority present: >= 3 of 5 answers carry the same answer, as the bench's grader "
           "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it;\n"
           "   mixes answers: the winning bloc's answers carry different things)")
+    print("  by kind of question (found: of the majorities present; mixes: of the questions)")
+    for name, score in scores.items():
+        print(score.by_kind(name))
     free = statistics.mean(scores["exact"].member_right) * asked
     print(f"  greedy decoding right {greedy_right}/{asked}; one sampled member (free text) "
           f"right {free:.1f}/{asked}")

@@ -218,7 +218,7 @@ def test_council_votes_by_extraction_and_by_meaning(start_corral: CorralFactory,
                                                     minilm_model: Path) -> None:
     corral = serve_preset(start_corral, PRESETS / "council.yaml")
     for group, compare in (("sums", "extract"), ("facts", "extract"),
-                           ("paraphrases", "similar"), ("council", "similar")):
+                           ("paraphrases", "extract+similar"), ("council", "similar")):
         resp = corral.http.post("/v1/batch/execute", timeout=180, json={
             "group": group, "messages": [{"role": "user", "content": "What is 7 + 5?"}],
             "max_tokens": 24})
