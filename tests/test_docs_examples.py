@@ -1,7 +1,8 @@
 """Every fenced example in README.md and docs/ runs as printed (docs/contributing.md has the
 conventions): YAML configs pass `corral check`, shell and Python examples run against one real
 corral serving the demo model, with their shown output compared, the usage synopsis lists what
-`corral --help` offers, and a block that cannot run in a test says why (listed by test_blocks_not_run_say_why)."""
+`corral --help` offers, and a block that cannot run in a test says why (listed by
+test_blocks_not_run_say_why)."""
 
 from __future__ import annotations
 
