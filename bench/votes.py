@@ -8,7 +8,9 @@ Groups, all fan_out with selector majority over the five:
   exact        the answers' normalized text
   similar      clusters of all-MiniLM-L6-v2 embeddings (a sentence-embedding model, converted
                by tests/minilm_gguf.py; --embeddings --pooling mean) of the whole answers,
-               per --thresholds
+               per --thresholds; answers that end on different numbers or open with a
+               different yes/no never cluster (distinct_numbers, distinct_yes_no: the default)
+  unguarded    the same without distinct_numbers and distinct_yes_no
   short        the same over the answers to "Answer in as few words as you can."
   first        the same over the answers' first sentences (extract first_sentence + similar)
   line         the members asked for a last line "Answer: <answer>" (as `format`); one
@@ -92,13 +94,16 @@ FORMAT_REGEX = {
     for kind in REGEX}
 # The `line` groups: whatever follows the last "Answer:", for every kind of question alike.
 ANSWER_LINE = r"(?s)\A.*\b(?i:answer):[ \t]*([^\n]*\S)"
-# The similar families: (system prompt, what of an answer is embedded).
-SIMILAR: dict[str, tuple[str, dict[str, Any] | None]] = {
-    "similar": (SYSTEM, None),
-    "short": (SYSTEM_SHORT, None),
-    "first": (SYSTEM, {"first_sentence": True}),
+# The similar families: (system prompt, what of an answer is embedded, more `similar` keys).
+# `unguarded`: the whole answers without distinct_numbers and distinct_yes_no, to measure them.
+UNGUARDED = {"distinct_numbers": False, "distinct_yes_no": False}
+SIMILAR: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]] = {
+    "unguarded": (SYSTEM, None, UNGUARDED),
+    "similar": (SYSTEM, None, {}),
+    "short": (SYSTEM_SHORT, None, {}),
+    "first": (SYSTEM, {"first_sentence": True}, {}),
 }
-LINE = ("line", (SYSTEM_FORMAT, {"regex": ANSWER_LINE}))
+LINE = ("line", (SYSTEM_FORMAT, {"regex": ANSWER_LINE}, {}))
 ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
     "required": ["answer"]}}}
@@ -137,7 +142,7 @@ def ask(question: str, system: str, max_tokens: int) -> dict[str, Any]:
 
 
 def config(thresholds: list[float],
-           similar: dict[str, tuple[str, dict[str, Any] | None]]
+           similar: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]]
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     models: dict[str, Any] = {
         name: {"model": str(SMOL), "ctx": 1024,
@@ -151,9 +156,9 @@ def config(thresholds: list[float],
     groups = {
         "exact": majority,
         **{f"{family}-{t:g}": {**majority, "compare": {
-            "similar": {"model": "embed", "threshold": t},
+            "similar": {"model": "embed", "threshold": t, **options},
             **({"extract": extract} if extract else {})}}
-           for family, (_, extract) in similar.items() for t in thresholds},
+           for family, (_, extract, options) in similar.items() for t in thresholds},
         **{f"extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in REGEX.items()},
         **{f"short-extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
@@ -228,7 +233,7 @@ def main() -> None:
              *(f"{family}-{t:g}" for family in similar for t in thresholds), "json"]
     # Groups whose members are asked another way.
     prompted = {"format": SYSTEM_FORMAT, "short-extract": SYSTEM_SHORT,
-                **{f"{family}-{t:g}": system for family, (system, _) in similar.items()
+                **{f"{family}-{t:g}": system for family, (system, _, _) in similar.items()
                    if system != SYSTEM for t in thresholds}}
     scores = {name: Score() for name in names}
     greedy_right = 0
@@ -260,7 +265,7 @@ def main() -> None:
                     vote = result["vote"]
                     print(f"{question} [{name}] votes {[v['vote'] for v in vote['votes']]}"
                           f" blocs {[b['members'] for b in vote['blocs']]} -> "
-                          f"{chosen!r}\n    " + "\n    ".join(repr(a[:90]) for a in answers))
+                          f"{chosen!r}\n    " + "\n    ".join(repr(a) for a in answers))
             texts = [[m["content"] for m in results[n]["responses"]]
                      for n in names if n != "json" and n not in prompted]
             changed += any(t != texts[0] for t in texts)
