@@ -208,14 +208,17 @@ def _cos(a: Sequence[float], b: Sequence[float]) -> float:
 # A number as written: a sign not glued to a word ("9-3" is 9 and 3), thousands separators,
 # decimals ("3.5"; the period that ends "is 12." is no decimal point).
 _NUMBER = re.compile(r"(?<![\w.])[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?|\d+(?:\.\d+)?")
-# The yes or no an answer opens with, after any quotes, emphasis or list marker.
-_POLARITY = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
+# A bare yes or no: one the answer opens with (after quotes, emphasis, a list marker), or one
+# that ends a clause ("The answer is yes.", "I'd say no,"). A "no" before a word is mostly a
+# determiner ("there is no reason") and says nothing.
+_POLARITY = re.compile(r"^\W*(yes|no)\b|\b(yes|no)(?=[*_\"'\u201d)\]]*(?:[.!?,;:]|\s*$))",
+                       re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class Stance:
     """What sentence embeddings cannot tell apart and a vote must: the number an answer ends
-    on and the yes or no it opens with. None: it states none."""
+    on and its first bare yes or no. None: it states none."""
 
     number: Decimal | None = None
     polarity: str | None = None
@@ -227,12 +230,14 @@ class Stance:
 
 def stance(text: str, numbers: bool = True, yes_no: bool = True) -> Stance:
     """The answer's last number (so "7 + 5 is 12" and "12" state one number: the operands
-    a model restates come before its result) and its opening yes/no."""
+    a model restates come before its result) and its first bare yes or no."""
     number = None
     if numbers and (found := _NUMBER.findall(text)):
         # 12, 12.0 and 12.00 are one value; 1,000 and 1000 too.
         number = Decimal(found[-1].replace(",", "").replace("\u2212", "-")).normalize()
-    polarity = (m.group(1).lower() if yes_no and (m := _POLARITY.match(text)) else None)
+    polarity = None
+    if yes_no and (m := _POLARITY.search(text)):
+        polarity = (m.group(1) or m.group(2)).lower()
     return Stance(number, polarity)
 
 

@@ -457,7 +457,7 @@ def test_similar_tally_speaks_through_the_centre_and_breaks_ties_by_cohesion() -
     assert tied.tie is not None and tied.tie["broken_by"] == "tightest cluster"
 
 
-def test_a_stance_is_the_last_number_and_the_opening_yes_or_no() -> None:
+def test_a_stance_is_the_last_number_and_the_first_bare_yes_or_no() -> None:
     twelve = votes.stance("7 + 5 is 12.")
     # The operands an answer restates come before its result: "12" says the same.
     assert twelve == votes.stance("12") == votes.stance("The answer is 12.0!")
@@ -473,7 +473,9 @@ def test_a_stance_is_the_last_number_and_the_opening_yes_or_no() -> None:
     assert votes.stance("**Yes**, the sun is a star.").polarity == "yes"
     assert votes.stance('"No." Fish cannot fly.').polarity == "no"
     assert votes.stance("Yes").contradicts(votes.stance("no, it is not"))
-    for neutral in ("Nobody knows.", "Yesterday, no.", "The sun is a star, yes."):
+    assert votes.stance("The answer is yes.").polarity == "yes"
+    assert votes.stance("I would say **no**, fish cannot fly. Yes.").polarity == "no"
+    for neutral in ("Nobody knows.", "There is no reason to think so.", "Yesterday, I saw it."):
         assert votes.stance(neutral).polarity is None, neutral
     # An answer that states nothing contradicts nobody; each check can be turned off.
     assert not votes.Stance().contradicts(twelve)

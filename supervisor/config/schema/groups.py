@@ -49,8 +49,8 @@ class SimilarConfig(BaseModel):
         "12\" and \"12\" agree, \"= 12\" and \"= 13\" do not); an answer without a number "
         "may join any")
     distinct_yes_no: bool = Field(
-        True, description="an answer that opens with yes and one that opens with no are never "
-        "one vote")
+        True, description="an answer whose first bare yes or no (opening it, or ending a "
+        "clause: \"The answer is yes.\") is yes and one whose is no are never one vote")
 
 
 class CompareConfig(BaseModel):
