@@ -174,6 +174,7 @@ def config(thresholds: list[float],
 class Score:
     def __init__(self) -> None:
         self.present = self.found = self.right = self.questions = self.mixed = 0
+        self.clean = 0  # found by a bloc that mixes no answers
         self.member_right: list[float] = []
         # kind of question -> [majority present, found, winning bloc mixes, questions]
         self.kinds: dict[str, list[int]] = {}
@@ -193,6 +194,7 @@ class Score:
         found = present and agree >= 3 and carried(kind, chosen) == top[0][0]
         self.present += present
         self.found += found
+        self.clean += found and not mixed
         counts = self.kinds.setdefault(kind, [0, 0, 0, 0])
         for n, value in enumerate((present, found, mixed, True)):
             counts[n] += value
@@ -203,9 +205,10 @@ class Score:
         found = f"{self.found}/{self.present}" + (
             f" ({100 * self.found / self.present:.0f} %)" if self.present else "")
         return (f"  {name:13} majority present {self.present:2}/{self.questions}, found "
-                f"{found:12} vote right {self.right:2}/{self.questions}, one sampled member "
-                f"right {sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes "
-                f"answers {self.mixed:2}/{self.questions}")
+                f"{found:12} of which unmixed {self.clean:2}, vote right {self.right:2}/"
+                f"{self.questions}, one sampled member right "
+                f"{sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes answers "
+                f"{self.mixed:2}/{self.questions}")
 
     def by_kind(self, name: str) -> str:
         return f"  {name:13} " + " | ".join(
@@ -280,7 +283,8 @@ def main() -> None:
         print(score.line(name))
     print("  (majority present: >= 3 of 5 answers carry the same answer, as the bench's grader "
           "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it;\n"
-          "   mixes answers: the winning bloc's answers carry different things)")
+          "   mixes answers: the winning bloc's answers carry different things;\n"
+          "   unmixed: found by a winning bloc that mixes none)")
     print("  by kind of question (found: of the majorities present; mixes: of the questions)")
     for name, score in scores.items():
         print(score.by_kind(name))
