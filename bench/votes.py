@@ -8,7 +8,9 @@ Groups, all fan_out with selector majority over the five:
   exact        the answers' normalized text
   similar      clusters of all-MiniLM-L6-v2 embeddings (a sentence-embedding model, converted
                by tests/minilm_gguf.py; --embeddings --pooling mean) of the whole answers,
-               per --thresholds
+               per --thresholds; answers that end on different numbers or open with a
+               different yes/no never cluster (distinct_numbers, distinct_yes_no: the default)
+  unguarded    the same without distinct_numbers and distinct_yes_no
   short        the same over the answers to "Answer in as few words as you can."
   first        the same over the answers' first sentences (extract first_sentence + similar)
   line         the members asked for a last line "Answer: <answer>" (as `format`); one
@@ -92,13 +94,16 @@ FORMAT_REGEX = {
     for kind in REGEX}
 # The `line` groups: whatever follows the last "Answer:", for every kind of question alike.
 ANSWER_LINE = r"(?s)\A.*\b(?i:answer):[ \t]*([^\n]*\S)"
-# The similar families: (system prompt, what of an answer is embedded).
-SIMILAR: dict[str, tuple[str, dict[str, Any] | None]] = {
-    "similar": (SYSTEM, None),
-    "short": (SYSTEM_SHORT, None),
-    "first": (SYSTEM, {"first_sentence": True}),
+# The similar families: (system prompt, what of an answer is embedded, more `similar` keys).
+# `unguarded`: the whole answers without distinct_numbers and distinct_yes_no, to measure them.
+UNGUARDED = {"distinct_numbers": False, "distinct_yes_no": False}
+SIMILAR: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]] = {
+    "unguarded": (SYSTEM, None, UNGUARDED),
+    "similar": (SYSTEM, None, {}),
+    "short": (SYSTEM_SHORT, None, {}),
+    "first": (SYSTEM, {"first_sentence": True}, {}),
 }
-LINE = ("line", (SYSTEM_FORMAT, {"regex": ANSWER_LINE}))
+LINE = ("line", (SYSTEM_FORMAT, {"regex": ANSWER_LINE}, {}))
 ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
     "required": ["answer"]}}}
@@ -137,7 +142,7 @@ def ask(question: str, system: str, max_tokens: int) -> dict[str, Any]:
 
 
 def config(thresholds: list[float],
-           similar: dict[str, tuple[str, dict[str, Any] | None]]
+           similar: dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]]
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     models: dict[str, Any] = {
         name: {"model": str(SMOL), "ctx": 1024,
@@ -151,9 +156,9 @@ def config(thresholds: list[float],
     groups = {
         "exact": majority,
         **{f"{family}-{t:g}": {**majority, "compare": {
-            "similar": {"model": "embed", "threshold": t},
+            "similar": {"model": "embed", "threshold": t, **options},
             **({"extract": extract} if extract else {})}}
-           for family, (_, extract) in similar.items() for t in thresholds},
+           for family, (_, extract, options) in similar.items() for t in thresholds},
         **{f"extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
            for kind, regex in REGEX.items()},
         **{f"short-extract-{kind}": {**majority, "compare": {"extract": {"regex": regex}}}
@@ -169,6 +174,7 @@ def config(thresholds: list[float],
 class Score:
     def __init__(self) -> None:
         self.present = self.found = self.right = self.questions = self.mixed = 0
+        self.clean = 0  # found by a bloc that mixes no answers
         self.member_right: list[float] = []
         # kind of question -> [majority present, found, winning bloc mixes, questions]
         self.kinds: dict[str, list[int]] = {}
@@ -188,6 +194,7 @@ class Score:
         found = present and agree >= 3 and carried(kind, chosen) == top[0][0]
         self.present += present
         self.found += found
+        self.clean += found and not mixed
         counts = self.kinds.setdefault(kind, [0, 0, 0, 0])
         for n, value in enumerate((present, found, mixed, True)):
             counts[n] += value
@@ -198,9 +205,10 @@ class Score:
         found = f"{self.found}/{self.present}" + (
             f" ({100 * self.found / self.present:.0f} %)" if self.present else "")
         return (f"  {name:13} majority present {self.present:2}/{self.questions}, found "
-                f"{found:12} vote right {self.right:2}/{self.questions}, one sampled member "
-                f"right {sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes "
-                f"answers {self.mixed:2}/{self.questions}")
+                f"{found:12} of which unmixed {self.clean:2}, vote right {self.right:2}/"
+                f"{self.questions}, one sampled member right "
+                f"{sum(self.member_right):4.1f}/{self.questions}, winning bloc mixes answers "
+                f"{self.mixed:2}/{self.questions}")
 
     def by_kind(self, name: str) -> str:
         return f"  {name:13} " + " | ".join(
@@ -228,7 +236,7 @@ def main() -> None:
              *(f"{family}-{t:g}" for family in similar for t in thresholds), "json"]
     # Groups whose members are asked another way.
     prompted = {"format": SYSTEM_FORMAT, "short-extract": SYSTEM_SHORT,
-                **{f"{family}-{t:g}": system for family, (system, _) in similar.items()
+                **{f"{family}-{t:g}": system for family, (system, _, _) in similar.items()
                    if system != SYSTEM for t in thresholds}}
     scores = {name: Score() for name in names}
     greedy_right = 0
@@ -260,7 +268,7 @@ def main() -> None:
                     vote = result["vote"]
                     print(f"{question} [{name}] votes {[v['vote'] for v in vote['votes']]}"
                           f" blocs {[b['members'] for b in vote['blocs']]} -> "
-                          f"{chosen!r}\n    " + "\n    ".join(repr(a[:90]) for a in answers))
+                          f"{chosen!r}\n    " + "\n    ".join(repr(a) for a in answers))
             texts = [[m["content"] for m in results[n]["responses"]]
                      for n in names if n != "json" and n not in prompted]
             changed += any(t != texts[0] for t in texts)
@@ -275,7 +283,8 @@ def main() -> None:
         print(score.line(name))
     print("  (majority present: >= 3 of 5 answers carry the same answer, as the bench's grader "
           "reads them;\n   found: the vote's winning bloc has >= 3 answers and carries it;\n"
-          "   mixes answers: the winning bloc's answers carry different things)")
+          "   mixes answers: the winning bloc's answers carry different things;\n"
+          "   unmixed: found by a winning bloc that mixes none)")
     print("  by kind of question (found: of the majorities present; mixes: of the questions)")
     for name, score in scores.items():
         print(score.by_kind(name))

@@ -436,7 +436,9 @@ class GroupRunner:
         texts = [b.vote if rule.extract else (outcome.responses[b.index].content or "")
                  for b in cast if b.vote is not None]
         vectors = await self.embed(outcome, rule.similar_model, texts) if texts else []
-        return votes.tally_similar(rule.compare, cast, vectors, rule.threshold, rule.quorum)
+        stances = [votes.stance(t, rule.distinct_numbers, rule.distinct_yes_no) for t in texts]
+        return votes.tally_similar(rule.compare, cast, vectors, rule.threshold, rule.quorum,
+                                   stances)
 
     async def embed(self, outcome: GroupOutcome, model: str,
                     texts: list[str]) -> list[list[float]]:

@@ -11,13 +11,14 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from corral.supervisor.config import jsonpath
 from corral.supervisor.config.specs import VoteSpec
 
-__all__ = ["Ballot", "Bloc", "Tally", "ballots", "cluster", "extract", "first_sentence",
-           "normalized", "tally_by_value", "tally_similar"]
+__all__ = ["Ballot", "Bloc", "Stance", "Tally", "ballots", "cluster", "extract",
+           "first_sentence", "normalized", "stance", "tally_by_value", "tally_similar"]
 
 
 def normalized(text: str) -> str:
@@ -204,18 +205,62 @@ def _cos(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
-def cluster(vectors: Sequence[Sequence[float]], threshold: float) -> list[list[int]]:
+# A number as written: a sign not glued to a word ("9-3" is 9 and 3), thousands separators,
+# decimals ("3.5"; the period that ends "is 12." is no decimal point).
+_NUMBER = re.compile(r"(?<![\w.])[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?|\d+(?:\.\d+)?")
+# A bare yes or no: one the answer opens with (after quotes, emphasis, a list marker), or one
+# that ends a clause ("The answer is yes.", "I'd say no,"). A "no" before a word is mostly a
+# determiner ("there is no reason") and says nothing.
+_POLARITY = re.compile(r"^\W*(yes|no)\b|\b(yes|no)(?=[*_\"'\u201d)\]]*(?:[.!?,;:]|\s*$))",
+                       re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Stance:
+    """What sentence embeddings cannot tell apart and a vote must: the number an answer ends
+    on and its first bare yes or no. None: it states none."""
+
+    number: Decimal | None = None
+    polarity: str | None = None
+
+    def contradicts(self, other: Stance) -> bool:
+        return any(a is not None and b is not None and a != b
+                   for a, b in ((self.number, other.number), (self.polarity, other.polarity)))
+
+
+def stance(text: str, numbers: bool = True, yes_no: bool = True) -> Stance:
+    """The answer's last number (so "7 + 5 is 12" and "12" state one number: the operands
+    a model restates come before its result) and its first bare yes or no."""
+    number = None
+    if numbers and (found := _NUMBER.findall(text)):
+        # 12, 12.0 and 12.00 are one value; 1,000 and 1000 too.
+        number = Decimal(found[-1].replace(",", "").replace("\u2212", "-")).normalize()
+    polarity = None
+    if yes_no and (m := _POLARITY.search(text)):
+        polarity = (m.group(1) or m.group(2)).lower()
+    return Stance(number, polarity)
+
+
+def cluster(vectors: Sequence[Sequence[float]], threshold: float,
+            stances: Sequence[Stance] | None = None) -> list[list[int]]:
     """Average-linkage clustering: the two clusters whose members are most alike on average
     merge while that average is at least `threshold`. Unlike chaining pairs (single linkage),
     a bloc cannot grow from one answer to a different one through a run of near neighbours;
-    unlike a first-come leader, the result does not depend on the members' order."""
+    unlike a first-come leader, the result does not depend on the members' order.
+    With `stances`, two clusters never merge while any member of one contradicts any member
+    of the other (a cannot-link constraint): an answer without a number may join "12" or
+    "13", not both."""
     units = [_unit(v) for v in vectors]
     sims = [[_cos(a, b) for b in units] for a in units]
+    apart = [[stances is not None and stances[i].contradicts(stances[j])
+              for j in range(len(units))] for i in range(len(units))]
     clusters = [[i] for i in range(len(units))]
     while len(clusters) > 1:
         best, pair = -2.0, (0, 0)
         for x in range(len(clusters)):
             for y in range(x + 1, len(clusters)):
+                if any(apart[i][j] for i in clusters[x] for j in clusters[y]):
+                    continue
                 mean = sum(sims[i][j] for i in clusters[x] for j in clusters[y]) / (
                     len(clusters[x]) * len(clusters[y]))
                 if mean > best:
@@ -229,14 +274,17 @@ def cluster(vectors: Sequence[Sequence[float]], threshold: float) -> list[list[i
 
 
 def tally_similar(compare: str, cast: list[Ballot], vectors: Sequence[Sequence[float]],
-                  threshold: float, quorum: int | None = None) -> Tally:
-    """Answers agree when their embeddings cluster together (`vectors`: one per ballot that
-    has a vote, in order). A bloc speaks through the member closest to its centre."""
+                  threshold: float, quorum: int | None = None,
+                  stances: Sequence[Stance] | None = None) -> Tally:
+    """Answers agree when their embeddings cluster together (`vectors`, and `stances` that
+    keep contradicting answers apart: one per ballot that has a vote, in order). A bloc
+    speaks through the member closest to its centre."""
     voting = [b for b in cast if b.vote is not None]
     assert len(voting) == len(vectors), (len(voting), len(vectors))
+    assert stances is None or len(stances) == len(voting), (len(stances), len(voting))
     units = [_unit(v) for v in vectors]
     blocs = []
-    for members in cluster(units, threshold):
+    for members in cluster(units, threshold, stances):
         centre = [sum(units[i][d] for i in members) / len(members)
                   for d in range(len(units[0]))]
         closeness = [_cos(units[i], _unit(centre)) for i in members]

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corral.proxy import votes
 from corral.proxy.groups import GroupOutcome, GroupRunner, MemberResult, agreement_note
-from corral.supervisor.config import GroupSpec, jsonpath
+from corral.supervisor.config import GroupSpec, jsonpath, parse_config
 from corral.supervisor.config.specs import VoteSpec
 
 from conftest import Corral, CorralFactory
@@ -45,6 +45,10 @@ FIXED = {
                     "and a long river.",
     "ramble-lyon": "The capital of France is Lyon. It has many old museums, busy markets "
                    "and a long river.",
+    # One sum said three ways: two results, and one of them in other words.
+    "sum-12": "7 + 5 = 12.",
+    "sum-13": "7 + 5 = 13.",
+    "sum-12b": "The answer is 12.",
 }
 FREE = {"free-1": "You are a geography teacher.", "free-2": "You answer in one word.",
         "free-3": "You are a helpful assistant."}
@@ -72,6 +76,11 @@ GROUPS: dict[str, dict[str, Any]] = {
     "rambles-first": fan(["ramble-paris", "ramble-lyon", "paris-2"],
                          {"extract": {"first_sentence": True},
                           "similar": {"model": "embed", "threshold": 0.8}}),
+    "numbers-apart": fan(["sum-12", "sum-13", "sum-12b"],
+                         {"similar": {"model": "embed", "threshold": 0.5}}),
+    "numbers-unguarded": fan(["sum-12", "sum-13", "sum-12b"],
+                             {"similar": {"model": "embed", "threshold": 0.5,
+                                          "distinct_numbers": False}}),
     "by-json": fan(list(FREE), {"extract": {"json_path": "$.answer"}},
                    response_format=CITY_SCHEMA),
     "last-line": fan(["lyon-2", "paris-1", "paris-2"], {"extract": {"last_line": True}}),
@@ -233,6 +242,17 @@ def test_first_sentences_cluster_where_whole_rambling_answers_mislead(corral: Co
     assert "paris" in result["final"].lower() and "lyon" not in result["final"].lower()
 
 
+def test_answers_that_end_on_different_numbers_never_agree(corral: Corral) -> None:
+    # all-MiniLM-L6-v2 sees "7 + 5 = 12." and "7 + 5 = 13." as one sentence: unguarded, they
+    # make one bloc at 0.5.
+    mixed = ok(corral, "numbers-unguarded")["vote"]
+    assert any({0, 1} <= set(b["members"]) for b in mixed["blocs"]), mixed["blocs"]
+    # By default their last numbers keep them apart, and "The answer is 12." joins the 12.
+    vote = ok(corral, "numbers-apart")["vote"]
+    assert [b["members"] for b in vote["blocs"]] == [[0, 2], [1]], vote["blocs"]
+    assert "13" not in vote["winner"]
+
+
 def test_quorum_missed_fails_under_strict(corral: Corral) -> None:
     resp = batch(corral, "quorum-strict")
     assert resp.status_code == 502
@@ -334,7 +354,7 @@ groups:
     type: parallel
     compare:
       extract: {json_path: "$.items[0]['the answer']"}
-      similar: {model: emb, threshold: 0.8}
+      similar: {model: emb, threshold: 0.8, distinct_numbers: false, distinct_yes_no: false}
 """
 
 
@@ -435,6 +455,71 @@ def test_similar_tally_speaks_through_the_centre_and_breaks_ties_by_cohesion() -
                                [[1.0, 0.0], [0.9, 0.44], [0.0, 1.0], [0.02, 1.0]], 0.85)
     assert [b.members for b in tied.blocs] == [[2, 3], [0, 1]]
     assert tied.tie is not None and tied.tie["broken_by"] == "tightest cluster"
+
+
+def test_a_stance_is_the_last_number_and_the_first_bare_yes_or_no() -> None:
+    twelve = votes.stance("7 + 5 is 12.")
+    # The operands an answer restates come before its result: "12" says the same.
+    assert twelve == votes.stance("12") == votes.stance("The answer is 12.0!")
+    assert twelve.number == 12 and twelve.polarity is None
+    assert twelve.contradicts(votes.stance("7 + 5 = 13"))
+    assert not votes.stance("15 + 5 = 20").contradicts(votes.stance("20"))
+    assert votes.stance("15 + 5 = 20").contradicts(votes.stance("5"))
+    assert votes.stance("9-3=6").number == 6 and votes.stance("-4").number == -4
+    assert votes.stance("about 1,000 people").number == 1000
+    assert votes.stance("1.5") != votes.stance("15")
+    # A number in words is no number: a spelled-out "one" is too often "one of the...".
+    assert votes.stance("twelve") == votes.Stance()
+    assert votes.stance("**Yes**, the sun is a star.").polarity == "yes"
+    assert votes.stance('"No." Fish cannot fly.').polarity == "no"
+    assert votes.stance("Yes").contradicts(votes.stance("no, it is not"))
+    assert votes.stance("The answer is yes.").polarity == "yes"
+    assert votes.stance("I would say **no**, fish cannot fly. Yes.").polarity == "no"
+    for neutral in ("Nobody knows.", "There is no reason to think so.", "Yesterday, I saw it."):
+        assert votes.stance(neutral).polarity is None, neutral
+    # An answer that states nothing contradicts nobody; each check can be turned off.
+    assert not votes.Stance().contradicts(twelve)
+    assert votes.stance("Yes, 12", numbers=False) == votes.Stance(polarity="yes")
+    assert votes.stance("Yes, 12", yes_no=False) == votes.Stance(number=twelve.number)
+
+
+def test_contradicting_answers_never_share_a_cluster() -> None:
+    # Four answers the embeddings call one; 0 and 2 contradict, 1 and 3 state nothing.
+    vectors = [[1.0, 0.0], [0.99, 0.1], [0.98, 0.2], [0.97, 0.25]]
+    twelve, thirteen = votes.stance("= 12"), votes.stance("= 13")
+    stances = [twelve, votes.Stance(), thirteen, votes.Stance()]
+    assert votes.cluster(vectors, 0.5) == [[0, 1, 2, 3]]
+    clusters = votes.cluster(vectors, 0.5, stances)
+    # Whoever joins 12 cannot also join 13: no cluster holds both, through a neutral or not.
+    assert sorted(map(len, clusters)) == [2, 2] or sorted(map(len, clusters)) == [1, 3]
+    assert not any({0, 2} <= set(c) for c in clusters), clusters
+    assert votes.cluster(vectors, 0.5, [votes.Stance()] * 4) == [[0, 1, 2, 3]]
+    tally = votes.tally_similar("similar", cast("= 12", "ok", "= 13", "fine"), vectors, 0.5,
+                                stances=stances)
+    assert len(tally.blocs) == 2 and tally.agree == 2
+
+
+def test_similar_guards_are_on_by_default_and_can_be_turned_off(smol_model: Path) -> None:
+    def vote(similar: str) -> VoteSpec:
+        loaded = parse_config(f"""
+models:
+  emb: {{model: {smol_model}, embeddings: true}}
+  a: {{model: {smol_model}}}
+groups:
+  g:
+    models: [a, emb]
+    type: fan_out
+    selector: majority
+    compare: {{similar: {similar}}}
+""")
+        spec = loaded.groups["g"].vote
+        assert spec is not None
+        return spec
+
+    on = vote("{model: emb, threshold: 0.6}")
+    assert (on.distinct_numbers, on.distinct_yes_no, on.threshold) == (True, True, 0.6)
+    off = vote("{model: emb, distinct_numbers: false, distinct_yes_no: false}")
+    assert (off.distinct_numbers, off.distinct_yes_no) == (False, False)
 
 
 def test_the_synthesizer_hears_which_answers_agreed() -> None:

@@ -144,5 +144,7 @@ def _vote(g: GroupConfig, at: Loc, problem: Callable[[Loc, str], None],
             problem(where, f"{embedder!r} does not serve embeddings: set `embeddings: true` "
                     "on it (llama-server: with args [--pooling, mean])")
         spec = dataclasses.replace(spec, similar_model=embedder,
-                                   threshold=compare.similar.threshold)
+                                   threshold=compare.similar.threshold,
+                                   distinct_numbers=compare.similar.distinct_numbers,
+                                   distinct_yes_no=compare.similar.distinct_yes_no)
     return spec

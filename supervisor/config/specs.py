@@ -131,6 +131,8 @@ class VoteSpec:
     json_path: tuple[str | int, ...] = ()
     similar_model: str | None = None
     threshold: float = 0.9
+    distinct_numbers: bool = True  # similar: a different last number never joins a cluster
+    distinct_yes_no: bool = True  # similar: nor an opening yes and an opening no
     quorum: int | None = None
     on_no_quorum: QuorumFallback = "strict"
 

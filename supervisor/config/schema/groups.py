@@ -42,6 +42,15 @@ class SimilarConfig(BaseModel):
     threshold: float = Field(
         0.9, gt=0, le=1, description="cosine similarity at which two answers count as one "
         "vote (average linkage between clusters)")
+    # Sentence embeddings barely see a number or a yes/no ("15 + 5 = 6" sits at 0.96 cosine
+    # from "= 7"): these keep such answers apart whatever the threshold.
+    distinct_numbers: bool = Field(
+        True, description="answers whose last numbers differ are never one vote (\"7 + 5 is "
+        "12\" and \"12\" agree, \"= 12\" and \"= 13\" do not); an answer without a number "
+        "may join any")
+    distinct_yes_no: bool = Field(
+        True, description="an answer whose first bare yes or no (opening it, or ending a "
+        "clause: \"The answer is yes.\") is yes and one whose is no are never one vote")
 
 
 class CompareConfig(BaseModel):
