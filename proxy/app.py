@@ -25,6 +25,7 @@ from corral.proxy import (
 )
 from corral.proxy.access import ADMIN
 from corral.proxy.accounting import RECORD, Accounting
+from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -40,13 +41,15 @@ from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
-from corral.supervisor.port import Lease, Supervisor
+from corral.supervisor.port import Supervisor
 
 log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Supervisor] = web.AppKey("daemon", Supervisor)
 ACCOUNTING: web.AppKey[Accounting] = web.AppKey("accounting", Accounting)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
+# The relay's own connections to children (groups and the prompt cache use UPSTREAM).
+CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Whether the request carries an admin key (or no keys are configured): groups not exposed
@@ -99,8 +102,10 @@ def create_app(daemon: Supervisor) -> web.Application:
 
 async def _upstream_session(app: web.Application) -> Any:
     app[UPSTREAM] = new_upstream_session()
+    app[CHILDREN] = ChildPool()
     app[GROUPS] = GroupRunner(app[DAEMON], app[UPSTREAM])
     yield
+    app[CHILDREN].close()
     await app[UPSTREAM].close()
 
 
@@ -270,10 +275,6 @@ _RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
 _NOT_RELAYED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
-def upstream_url(lease: Lease, request: web.Request) -> str:
-    return lease.base_url + request.path  # checked by relay_openai against _RELAYABLE
-
-
 async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
     record = request[RECORD]
@@ -304,8 +305,8 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         return await _relay_after_progress(request, canonical, raw)
     async with leased(daemon, canonical) as lease:
         record.leased(lease)
-        response = await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
-                               raw, canonical, lease, record)
+        # request.path was checked against _RELAYABLE above.
+        response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record)
     # A whole answer is written once the lease is back: a slow client holds no slot.
     return await client_io.send(request, _documented(response, canonical), canonical)
 
@@ -320,8 +321,7 @@ async def _relay_after_progress(request: web.Request, model: str,
     try:
         async with leased(daemon, model, stream.acquire(daemon)) as lease:
             record.leased(lease)
-            response = await relay(request, request.app[UPSTREAM],
-                                   upstream_url(lease, request), raw, model, lease, record,
+            response = await relay(request, request.app[CHILDREN], raw, model, lease, record,
                                    started=stream.out if stream.opened else None)
     except ConnectionResetError:
         raise  # the client is gone (or was cut off): nobody to tell, in a stream or not
