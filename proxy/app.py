@@ -70,7 +70,7 @@ def create_app(daemon: Supervisor) -> web.Application:
         # would otherwise be refused below the middlewares, in plain text. read_json_body
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
-        middlewares=[_request_id_middleware, accounting.middleware(), _errors_middleware,
+        middlewares=[_request_id_middleware(), accounting.middleware(), _errors_middleware,
                      _auth_middleware(daemon)],
     )
     app[DAEMON] = daemon
@@ -111,13 +111,20 @@ async def _upstream_session(app: web.Application) -> Any:
 
 # -- middlewares -------------------------------------------------------------------------------
 
-@web.middleware
-async def _request_id_middleware(request: web.Request,
-                                 handler: Handler) -> web.StreamResponse:
-    rid = request_id.choose(request.headers.get(request_id.HEADER))
-    request[REQUEST_ID] = rid
-    with request_id.bound(rid):
-        return await handler(request)
+def _request_id_middleware() -> Any:
+    ids = request_id.Ids()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = ids.choose(request.headers.get(request_id.HEADER))
+        request[REQUEST_ID] = rid
+        token = ids.bind(rid)
+        try:
+            return await handler(request)
+        finally:
+            ids.unbind(token)
+
+    return middleware
 
 
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:

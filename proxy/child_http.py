@@ -98,8 +98,8 @@ class ChildResponse:
     another request) or close() (it is dropped: the child sees the hang-up)."""
 
     __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_error", "_head_waiter",
-                 "_idle_timeout", "_waiter", "content_type", "got_bytes", "headers",
-                 "keep_alive", "status", "until_eof")
+                 "_idle_timeout", "_last", "_loop", "_timer", "_waiter", "content_type",
+                 "got_bytes", "headers", "keep_alive", "status", "until_eof")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self._conn = conn
@@ -116,11 +116,17 @@ class ChildResponse:
         self._error: ChildHttpError | None = None
         self._head_waiter: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        # idle_timeout: the time body bytes last came, and one timer that fires at most once
+        # per idle_timeout (a timer per read of a stream cost more than the read).
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- fed by the connection -----------------------------------------------------------------
 
     def _headed(self, status: int) -> None:
         self.status = status
+        self._last = self._loop.time()
         length = chunked = False
         for name, value in self.headers:
             lower = name.lower()
@@ -135,6 +141,7 @@ class ChildResponse:
         _wake(self._head_waiter)
 
     def _feed(self, data: bytes) -> None:
+        self._last = self._loop.time()
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH:
@@ -144,6 +151,7 @@ class ChildResponse:
     def _complete(self, keep_alive: bool) -> None:
         self._done = True
         self.keep_alive = keep_alive
+        self._stop_timer()
         _wake(self._waiter)
 
     def _fail(self, error: ChildHttpError) -> None:
@@ -151,6 +159,7 @@ class ChildResponse:
             return
         self._done = True
         self._error = error
+        self._stop_timer()
         for waiter in (self._head_waiter, self._waiter):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
@@ -175,16 +184,41 @@ class ChildResponse:
                 if self._error is not None:
                     raise self._error
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
+            if self._idle_timeout is not None and self._timer is None:
+                if not self._last:
+                    self._last = self._loop.time()  # the head's arrival starts the first wait
+                self._timer = self._loop.call_at(self._last + self._idle_timeout, self._idle)
             try:
-                await _wait(self._waiter, self._idle_timeout, "in its answer")
+                await self._waiter
             finally:
                 self._waiter = None
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
-        self._conn.resume()  # everything buffered is taken: read the child again if paused
+        if self._conn.resume():  # everything buffered is taken: read the child again
+            # Its silence counts from now: it was not read while the client was behind.
+            self._last = self._loop.time()
         return data
+
+    def _idle(self) -> None:
+        """The idle timer: a reader waiting and nothing for idle_timeout fails it (Silent);
+        bytes came since the timer was set: it is set again from when they came."""
+        self._timer = None
+        if self._done or self._idle_timeout is None:
+            return
+        due = self._last + self._idle_timeout
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._idle)
+        elif self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(
+                Silent(f"nothing for {self._idle_timeout:g}s in its answer"))
+        # No reader waiting (the client is slow): its next wait sets the timer again.
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -298,10 +332,13 @@ class _Connection(asyncio.Protocol):
             self._paused = True
             self.transport.pause_reading()
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
+        """Read the child again, if paused (True then)."""
         if self._paused and self.transport is not None and not self.closed:
             self._paused = False
             self.transport.resume_reading()
+            return True
+        return False
 
     async def send(self, data: bytes, first_byte_timeout: float | None,
                    idle_timeout: float | None) -> ChildResponse:

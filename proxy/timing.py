@@ -14,6 +14,9 @@ from corral.supervisor.port import Lease, Restored
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
 _TAIL_CHUNKS = 4
+# A whole answer up to this size is parsed for its usage at once (microseconds); a larger one
+# (embeddings) only around its usage.
+_WHOLE_PARSE = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -81,6 +84,15 @@ class RequestRecord:
         Only those objects are parsed, found from the end: an embeddings answer of megabytes
         is not decoded on the event loop for two numbers."""
         found: dict[str, Any] = {}
+        if len(body) <= _WHOLE_PARSE:
+            # A chat answer of a few KB: one parse is cheaper than finding both objects.
+            try:
+                data = json.loads(body)
+            except ValueError:
+                return
+            if isinstance(data, dict):
+                self._take_usage(data)
+            return
         for key in ("usage", "timings"):
             value = _object_after(body, key)
             if value is not None:

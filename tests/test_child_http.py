@@ -1,0 +1,171 @@
+"""proxy/child_http: the relay's own client to children, against small asyncio servers that
+misbehave on purpose (the whole relay over it is tested with real children in test_serving,
+test_faults, test_reliability and test_client_io)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from corral.proxy.child_http import _HIGH, ChildPool, NotBegun, Silent
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head + await reader.readexactly(length)
+
+
+def _answer(body: bytes, extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body)
+
+
+def test_a_kept_alive_connection_serves_the_next_request() -> None:
+    async def main() -> None:
+        connections = 0
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            while True:
+                try:
+                    request = await _read_request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                assert request.startswith(b"POST /v1/x HTTP/1.1\r\n")
+                writer.write(_answer(b'{"n": %d}' % request.count(b"secret")))
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        for _ in range(3):
+            answer = await pool.post(url, "/v1/x", {"Authorization": "secret"}, b"{}")
+            assert answer.status == 200 and answer.content_type == "application/json"
+            assert await answer.read() == b'{"n": 1}'
+            answer.release()
+        assert connections == 1
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_closed_under_the_request_is_not_begun() -> None:
+    """The child closed a kept-alive connection as the request went out (cpp-httplib after 5 s
+    idle or 100 requests): NotBegun, which the relay sends again."""
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(_answer(b"{}"))
+            await _read_request(reader)  # the second request: closed, unanswered
+            writer.close()
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        first = await pool.post(url, "/v1/x", {}, b"{}")
+        await first.read()
+        first.release()
+        with pytest.raises(NotBegun):
+            await pool.post(url, "/v1/x", {}, b"{}")
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_body_without_length_ends_with_the_connection() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                         b"data: 1\n\n")
+            await writer.drain()
+            writer.write(b"data: [DONE]\n\n")
+            writer.close()
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        answer = await pool.post(url, "/v1/x", {}, b"{}")
+        assert answer.content_type == "text/event-stream"
+        assert await answer.read() == b"data: 1\n\ndata: [DONE]\n\n"
+        answer.release()
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_silences_past_the_limits_are_silent() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            request = await _read_request(reader)
+            if b"no-head" in request:
+                await asyncio.sleep(5)
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        with pytest.raises(Silent):
+            await pool.post(url, "/v1/x", {}, b"no-head", first_byte_timeout=0.2)
+        answer = await pool.post(url, "/v1/x", {}, b"{}", first_byte_timeout=5,
+                                 idle_timeout=0.3)
+        assert await answer.chunk() == b"hello"
+        with pytest.raises(Silent):
+            await answer.chunk()
+        answer.close()
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_is_behind_stops_the_reading_of_the_child() -> None:
+    """Back-pressure: what the child sends while nobody takes it is buffered up to _HIGH, then
+    its socket is not read (the child waits in its send); all of it arrives once read."""
+    total = 64 * _HIGH
+
+    async def main() -> None:
+        sent = 0
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal sent
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+            piece = b"x" * 65536
+            while sent < total:
+                writer.write(piece)
+                await writer.drain()
+                sent += len(piece)
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        answer = await pool.post(url, "/v1/x", {}, b"{}")
+        async with asyncio.timeout(30):
+            while not answer._conn._paused:  # nobody reads: the child is held back
+                await asyncio.sleep(0.01)
+        assert answer._buffered <= 2 * _HIGH  # _HIGH and one read of the socket at most
+        assert sent < total
+        got = 0
+        while data := await answer.chunk():
+            got += len(data)
+        assert got == total
+        answer.release()
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
