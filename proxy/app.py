@@ -313,9 +313,15 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     async with leased(daemon, canonical) as lease:
         record.leased(lease)
         # request.path was checked against _RELAYABLE above.
-        response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record)
+        response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record,
+                               parsed=_as_sent(body, canonical))
     # A whole answer is written once the lease is back: a slow client holds no slot.
     return await client_io.send(request, _documented(response, canonical), canonical)
+
+
+def _as_sent(body: dict[str, Any], canonical: str) -> dict[str, Any]:
+    """What the body relayed (upstream_body's bytes) parses to, without parsing it again."""
+    return body if body.get("model") == canonical else {**body, "model": canonical}
 
 
 async def _relay_after_progress(request: web.Request, model: str,

@@ -143,7 +143,7 @@ def _child_headers(response: ChildResponse) -> CIMultiDict[str]:
 
 
 async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body: bytes,
-                     accept: str) -> ChildResponse:
+                     accept: str, parsed: dict[str, Any] | None = None) -> ChildResponse:
     """POST `body` to the lease's child at `path` and wait for its response head: the
     relay's way, over the ChildPool (open_upstream is the same for aiohttp's client).
 
@@ -151,10 +151,10 @@ async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body:
     head (UpstreamTimeout), its idle_timeout then bounds every silence in the body (Silent,
     read by the caller), and a request the child never began (stale kept-alive connection) is
     sent again while the child is alive. Other failures before an answer become
-    UpstreamFailed."""
+    UpstreamFailed. `parsed`: what `body` parses to, when known (not parsed again)."""
     url = lease.base_url + path
     # The prompt cache: the request pinned to a slot, a saved prefix restored into it.
-    body = await lease.pin(url, body)
+    body = await lease.pin(url, body, parsed)
     if lease.served_name is not None:
         body = rename_request(body, lease.served_name)
     headers = {
@@ -192,7 +192,8 @@ def _child_broken(model: str, exc: ChildHttpError, what: str) -> UpstreamFailed:
 
 async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, lease: Lease,
                 record: RequestRecord | None = None,
-                started: ClientWriter | None = None) -> web.StreamResponse:
+                started: ClientWriter | None = None,
+                parsed: dict[str, Any] | None = None) -> web.StreamResponse:
     """POST `body` to the lease's child (at the request's path) and relay the answer. Raises
     UpstreamFailed before any byte of the answer was sent; after that, a broken child ends
     the stream with an SSE error event.
@@ -200,9 +201,10 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
     ClientStalled); a whole answer comes back unsent, for the caller to send with
     client_io.send once the lease is back.
     `record` takes the timings and token counts; `started`: an event stream already sent to
-    the client (loading progress), which the child's stream continues."""
+    the client (loading progress), which the child's stream continues; `parsed`: what
+    `body` parses to, when known."""
     upstream = await open_child(pool, request.path, model, lease, body,
-                                request.headers.get("Accept", "*/*"))
+                                request.headers.get("Accept", "*/*"), parsed)
     if record is not None:
         record.head()
         record.restored = lease.restored

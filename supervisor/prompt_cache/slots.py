@@ -103,7 +103,8 @@ class Slots:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def pin(self, lease: Lease, url: str, body: Any) -> Any:
+    async def pin(self, lease: Lease, url: str, body: Any,
+                  parsed: dict[str, Any] | None = None) -> Any:
         path = urlsplit(url).path
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
@@ -119,10 +120,11 @@ class Slots:
                 await self._restore(lease, 0, record)
             self.records[0] = record
             return body
-        try:
-            parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
-        except ValueError:
-            return body  # the child answers that itself
+        if parsed is None:
+            try:
+                parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+            except ValueError:
+                return body  # the child answers that itself
         if not isinstance(parsed, dict):
             return body
         conversation = _conversation(path, parsed)
