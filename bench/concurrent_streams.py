@@ -21,6 +21,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -43,8 +44,17 @@ PROMPT = " ".join(["lorem ipsum dolor sit amet"] * 3)[:64]
 
 
 async def one(session: aiohttp.ClientSession, to: Endpoint, tokens: int,
-              ) -> tuple[float, list[float], int]:
-    """TTFT ms, inter-event gaps ms, and the content events of one stream."""
+              ) -> tuple[float, list[float], int] | None:
+    """TTFT ms, inter-event gaps ms, and the content events of one stream; None when it
+    failed (nginx answers 502 when llama-server closed the kept-alive connection it picked)."""
+    try:
+        return await _one(session, to, tokens)
+    except (aiohttp.ClientError, AssertionError):
+        return None
+
+
+async def _one(session: aiohttp.ClientSession, to: Endpoint, tokens: int,
+               ) -> tuple[float, list[float], int]:
     body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
     started = time.perf_counter()
@@ -63,7 +73,7 @@ async def one(session: aiohttp.ClientSession, to: Endpoint, tokens: int,
 
 
 async def batch(session: aiohttp.ClientSession, to: Endpoint, n: int, concurrency: int,
-                tokens: int) -> tuple[float, list[float], list[float]]:
+                tokens: int, failed: Counter[str]) -> tuple[float, list[float], list[float]]:
     """Output events/s over the batch, every request's TTFT, every gap."""
     queue = iter(range(n))
     ttft: list[float] = []
@@ -73,7 +83,11 @@ async def batch(session: aiohttp.ClientSession, to: Endpoint, n: int, concurrenc
     async def worker() -> None:
         nonlocal events
         for _ in queue:
-            first, between, count = await one(session, to, tokens)
+            got = await one(session, to, tokens)
+            if got is None:
+                failed[to.url] += 1
+                continue
+            first, between, count = got
             ttft.append(first)
             gaps.extend(between)
             events += count
@@ -91,21 +105,28 @@ async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], n: int,
     ttft: dict[str, list[float]] = {name: [] for name in urls}
     gaps: dict[str, list[float]] = {name: [] for name in urls}
     cpu = {name: 0.0 for name in pids}
+    failed: Counter[str] = Counter()
     names = list(urls)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A connection per stream: llama-server closes one after each streamed answer while
+    # still saying keep-alive, and a pooled one then fails the next request (direct only).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
         for name in names:  # warm every path
-            await batch(session, urls[name], concurrency, concurrency, 8)
+            await batch(session, urls[name], concurrency, concurrency, 8, Counter())
         for r in range(rounds):
             rate: dict[str, float] = {}
             for name in names[r % len(names):] + names[:r % len(names)]:
                 before = cpu_seconds(pids.get(name, []))
-                rate[name], t, g = await batch(session, urls[name], n, concurrency, tokens)
+                rate[name], t, g = await batch(session, urls[name], n, concurrency, tokens,
+                                               failed)
                 if name in pids:
                     cpu[name] += cpu_seconds(pids[name]) - before
                 ttft[name] += t
                 gaps[name] += g
             rates.append(rate)
     events = n * tokens * rounds
+    for name, to in urls.items():
+        print(f"{name}: {failed[to.url]} of {n * rounds} streams failed")
     return rates, ttft, gaps, {k: v * 1e6 / events for k, v in cpu.items()}
 
 
