@@ -218,7 +218,7 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                 raise _child_broken(model, exc, "while answering") from exc
             if record is not None:
                 record.first_bytes()
-                record.read_usage(payload)
+                record.answer = payload  # its usage is read once it is sent (finish)
             if lease.served_name is not None:
                 payload = rename_answer(payload, lease.served_name, lease.model)
             if started is not None:

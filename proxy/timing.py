@@ -45,6 +45,8 @@ class RequestRecord:
     prompt_ms_per_token: float | None = None  # the child's prefill speed for this request
     tail: collections.deque[bytes] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
+    # A whole answer, kept until finish() reads its usage: after it was sent, not before.
+    answer: bytes | None = None
 
     def leased(self, lease: Lease) -> None:
         """The lease is in: split the wait into start and queue. A request whose instance
@@ -138,6 +140,9 @@ class RequestRecord:
                 self.tokens_per_s = float(speed)
 
     def finish(self, status: int) -> None:
+        if self.answer is not None:
+            self.read_usage(self.answer)
+            self.answer = None  # kept in the recent list: no answer bytes with it
         self.status = self.error_status or status
         self.tail.clear()  # kept in the recent list: no stream bytes with it
         self.duration_s = time.monotonic() - self.arrived
