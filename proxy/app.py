@@ -302,7 +302,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
     canonical = record.model = target.name
-    spec = daemon.status(canonical).spec
+    spec = daemon.spec(canonical)
     # Refused here, before anything starts: the child would answer 501 only after loading.
     capabilities.check(spec, request.path, body)
     filtered = filters.apply(body, spec.request, request.path)

@@ -176,6 +176,7 @@ class Daemon:
     describe_one = read_model_part.describe_one
     child_logs = read_model_part.child_logs
     status = read_model_part.status
+    spec = read_model_part.spec
     statuses = read_model_part.statuses
     ready_now = read_model_part.ready_now
     inventory = read_model_part.inventory
