@@ -295,6 +295,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.response is None:
+            self.pool._forget(self)  # idle: a child that closed it (or is gone) leaves no entry
         response = self.response
         if response is None or response._done:
             return
@@ -406,6 +408,15 @@ class ChildPool:
         idle.append(conn)
         if len(idle) > 256:  # more than any burst needs: the oldest go
             idle.pop(0).close()
+
+    def _forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.where.key)
+        if idle is None:
+            return
+        if conn in idle:
+            idle.remove(conn)
+        if not idle:
+            del self._idle[conn.where.key]  # a stopped child's port leaves no list behind
 
     async def _connect(self, where: Target) -> _Connection:
         loop = asyncio.get_running_loop()

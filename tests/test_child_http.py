@@ -169,3 +169,26 @@ def test_a_reader_that_is_behind_stops_the_reading_of_the_child() -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_an_idle_connection_the_child_closes_is_forgotten() -> None:
+    """A child that closes its idle connections (or stops) leaves nothing in the pool."""
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(_answer(b"{}"))
+            await writer.drain()
+            writer.close()  # after the answer: the client's kept connection is now dead
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        answer = await pool.post(url, "/v1/x", {}, b"{}")
+        await answer.read()
+        answer.release()
+        async with asyncio.timeout(30):
+            while pool._idle:
+                await asyncio.sleep(0.01)
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
