@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import cast
@@ -97,9 +97,9 @@ class ChildResponse:
     read() (whole) or chunk() (as it comes). Ends with release() (the connection may serve
     another request) or close() (it is dropped: the child sees the hang-up)."""
 
-    __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_error", "_head_waiter",
-                 "_idle_timeout", "_last", "_loop", "_timer", "_waiter", "content_type",
-                 "got_bytes", "headers", "keep_alive", "status", "until_eof")
+    __slots__ = ("_behind", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_waiter",
+                 "_idle_timeout", "_last", "_loop", "_sink", "_timer", "_waiter",
+                 "content_type", "got_bytes", "headers", "keep_alive", "status", "until_eof")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self._conn = conn
@@ -121,6 +121,9 @@ class ChildResponse:
         # per idle_timeout (a timer per read of a stream cost more than the read).
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # pump(): where body bytes go as they come, from the connection's callback.
+        self._sink: Callable[[bytes], bool] | None = None
+        self._behind = False
 
     # -- fed by the connection -----------------------------------------------------------------
 
@@ -146,13 +149,39 @@ class ChildResponse:
         self._buffered += len(data)
         if self._buffered > _HIGH:
             self._conn.pause()
-        _wake(self._waiter)
+        if self._sink is None:  # pump()'s bytes go to the sink when the read is parsed
+            _wake(self._waiter)
 
     def _complete(self, keep_alive: bool) -> None:
         self._done = True
         self.keep_alive = keep_alive
         self._stop_timer()
         _wake(self._waiter)
+
+    def _flush(self) -> None:
+        """pump(): what the last read brought (one read's events in one write) to the sink. The
+        sink says the client is behind (True): the child is not read until pump() is called
+        again, after the client took some."""
+        sink = self._sink
+        if sink is None:
+            return
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        try:
+            behind = sink(data)
+        except ConnectionError as exc:
+            # The client is gone: pump() raises it, and the relay drops the child's answer.
+            self._sink = None
+            self._conn.pause()
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(exc)
+            return
+        if behind:
+            self._sink = None
+            self._behind = True
+            self._conn.pause()
+            _wake(self._waiter)
 
     def _fail(self, error: ChildHttpError) -> None:
         if self._done:
@@ -200,6 +229,42 @@ class ChildResponse:
             # Its silence counts from now: it was not read while the client was behind.
             self._last = self._loop.time()
         return data
+
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        """Body bytes handed to `sink` as they come, from the connection's callback: no task
+        wakes per chunk. Returns at the end (False), or when `sink` said the client is behind
+        (True): the child is not read until the next call, which the caller makes once the
+        client took some. Raises what chunk() raises, and what `sink` raised (a client gone).
+        The idle timer runs as for chunk()."""
+        self._behind = False
+        if self._chunks:
+            self._buffered = 0
+            data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            if sink(data):
+                return True
+        if self._conn.resume():
+            self._last = self._loop.time()  # not read while the client was behind
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return False
+        self._sink = sink
+        self._waiter = self._loop.create_future()
+        if self._idle_timeout is not None and self._timer is None:
+            if not self._last:
+                self._last = self._loop.time()
+            self._timer = self._loop.call_at(self._last + self._idle_timeout, self._idle)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            self._sink = None
+        if self._behind:
+            return True
+        if self._chunks:  # came with the end, after the sink was taken away
+            return await self.pump(sink)
+        return False
 
     def _idle(self) -> None:
         """The idle timer: a reader waiting and nothing for idle_timeout fails it (Silent);
@@ -292,6 +357,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             response._fail(Broken(f"the child's answer is not valid HTTP: {exc}"))
             self.close()
+            return
+        if response._sink is not None and response._chunks:
+            response._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

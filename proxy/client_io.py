@@ -99,6 +99,36 @@ class ClientWriter:
             # take some (down to the low-water mark), for `timeout` at most.
             await self._bounded(stream.drain())
 
+    def through(self) -> Callable[[bytes], bool] | None:
+        """A write for the relay to call from the child connection's callback, without a task
+        or an await per chunk: it puts one chunk of the chunked body into the transport and
+        says whether the client is behind (the caller then stops reading its source and waits
+        in drain()). It raises ConnectionResetError for a client gone. None when this response
+        is not a plain chunked one (compressed, sized, or a writer of another kind)."""
+        stream = self._stream
+        transport = self.request.transport
+        if (stream is None or transport is None or not stream.chunked
+                or stream.length is not None or self.response.compression
+                or stream.on_body_write is not None):
+            return None
+        stream.send_headers()  # the head first, when it is still held back for the body
+        protocol = stream.protocol
+
+        def put(data: bytes) -> bool:
+            if transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            # The chunk's framing and its bytes in one buffer: one send.
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return protocol.writing_paused
+
+        return put
+
+    async def drain(self) -> None:
+        """Wait, for `timeout` at most, until a client that is behind took some bytes."""
+        stream = self._stream
+        if stream is not None and stream.protocol.writing_paused:
+            await self._bounded(stream.drain())
+
     async def finish(self, pending: int = 0) -> None:
         """The end of the response (a chunked one's last chunk; `pending`: the bytes write_eof
         still has to write, a web.Response's body), under the same deadline. aiohttp's

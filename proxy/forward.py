@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -265,13 +267,25 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     tail = record.tail if record is not None else None
     renamer = StreamRenamer(lease.served_name, lease.model) \
         if lease.served_name is not None else None
+    # Once the head is out (with the first chunk), a stream that needs no rename goes from the
+    # child's connection straight into the client's transport, in the connection's callback:
+    # no task wakes per chunk. This task then waits for the end, a failure, or a client that
+    # is behind (it waits for the client, then the child is read again).
+    direct = renamer is None  # the first chunk is yet to go out the usual way
+    sink: Callable[[bytes], bool] | None = None
     try:
         while True:
             # Only the read from the child is the child's fault; a failed write to the client
             # (it hung up, or took nothing for client_write_timeout: ClientStalled) propagates
             # as it is and cancels nothing but this relay.
             try:
-                chunk = await upstream.chunk()
+                if sink is not None:
+                    if await upstream.pump(sink):
+                        await out.drain()
+                        continue
+                    chunk = b""
+                else:
+                    chunk = await upstream.chunk()
             except ChildHttpError as exc:
                 failure = _child_broken(model, exc, "mid-stream")
                 code = ("upstream_timeout" if isinstance(failure, UpstreamTimeout)
@@ -298,6 +312,11 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 if not chunk:
                     continue
             await out.write(chunk)
+            if direct:
+                direct = False
+                through = out.through()
+                if through is not None:
+                    sink = through if tail is None else _kept(tail, through)
         await out.finish()
     finally:
         # Also when the client hangs up (the handler is cancelled): the OpenAI SDK closes
@@ -306,6 +325,17 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
         if record is not None:
             record.read_stream_tail()
     return out.response
+
+
+def _kept(tail: deque[bytes], put: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+    """`put`, keeping the last chunks in `tail` (the usage is read from the last event)."""
+    keep = tail.append
+
+    def sink(data: bytes) -> bool:
+        keep(data)
+        return put(data)
+
+    return sink
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
