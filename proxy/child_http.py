@@ -242,6 +242,7 @@ class ChildResponse:
             data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
             self._chunks.clear()
             if sink(data):
+                self._conn.pause()
                 return True
         if self._conn.resume():
             self._last = self._loop.time()  # not read while the client was behind

@@ -5,6 +5,7 @@ test_faults, test_reliability and test_client_io)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -188,6 +189,110 @@ def test_an_idle_connection_the_child_closes_is_forgotten() -> None:
         async with asyncio.timeout(30):
             while pool._idle:
                 await asyncio.sleep(0.01)
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def _events_handler(count: int, sent: list[int], hung_up: asyncio.Event | None = None,
+                    writers: list[asyncio.StreamWriter] | None = None) -> Handler:
+    """A child that streams `count` chunked SSE events of 1 KiB, one write (and drain) each,
+    counting in `sent` what its socket took; `hung_up` is set when its writes fail."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if writers is not None:
+            writers.append(writer)
+            # A small send buffer: the child waits in its send after a little, as a model
+            # does behind a full socket (loopback's buffers grow to megabytes otherwise).
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                       64 * 1024)
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        event = b"data: " + b"x" * 1016 + b"\n\n"
+        try:
+            for _ in range(count):
+                writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+                await writer.drain()
+                sent[0] += 1
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            if hung_up is not None:
+                hung_up.set()
+
+    return handler
+
+
+@pytest.mark.parametrize("behind_after", [1, 5])
+def test_pump_stops_reading_the_child_when_the_sink_is_behind(behind_after: int) -> None:
+    """pump(): the body goes to the sink from the connection's callback; a sink that says its
+    client is behind stops the reading of the child at once (the child waits in its send, no
+    bytes pile up here), and the next pump() reads it again; all of it arrives. Behind at the
+    first bytes (those that came with the head, handed over by pump() itself) or later (in
+    the connection's callback)."""
+    count = 32000  # 32 MiB: more than the sockets between here and the child hold
+
+    async def main() -> None:
+        sent = [0]
+        writers: list[asyncio.StreamWriter] = []
+        server, url = await _serve(_events_handler(count, sent, writers=writers))
+        pool = ChildPool()
+        answer = await pool.post(url, "/v1/x", {}, b"{}")
+        got: list[bytes] = []
+        hold = True
+
+        def sink(data: bytes) -> bool:
+            got.append(data)
+            return hold and len(got) >= behind_after
+
+        async with asyncio.timeout(30):
+            assert await answer.pump(sink)  # "behind": the child is paused
+            assert answer._conn._paused
+            calls = len(got)
+            # The child keeps sending until the sockets are full, then waits in its send
+            # (its buffer past asyncio's high-water mark, 64 KiB).
+            while (writers[0].transport.get_write_buffer_size() < 64 * 1024
+                   and sent[0] < count):
+                await asyncio.sleep(0.01)
+            assert len(got) == calls and answer._buffered == 0  # nothing read meanwhile
+            assert sent[0] < count
+            hold = False
+            assert not await answer.pump(sink)  # to the end
+        body = b"".join(got)
+        assert body.count(b"data: ") == count and len(body) == count * 1024
+        answer.release()
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_pump_raises_what_the_sink_raised_for_a_client_gone() -> None:
+    """A client gone (the sink raises ConnectionResetError) ends pump() with it, so that the
+    relay closes the child's connection: the child sees the hang-up."""
+    async def main() -> None:
+        sent = [0]
+        hung_up = asyncio.Event()
+        server, url = await _serve(_events_handler(100000, sent, hung_up))
+        pool = ChildPool()
+        answer = await pool.post(url, "/v1/x", {}, b"{}")
+        taken = 0
+
+        def sink(data: bytes) -> bool:
+            nonlocal taken
+            taken += 1
+            if taken == 3:
+                raise ConnectionResetError("the client closed the connection")
+            return False
+
+        async with asyncio.timeout(30):
+            with pytest.raises(ConnectionResetError):
+                await answer.pump(sink)
+            assert taken == 3
+            answer.close()
+            await hung_up.wait()  # the child's writes fail: it saw the hang-up
+        assert answer._conn.closed and sent[0] < 100000
         pool.close()
         server.close()
 
