@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,8 +410,52 @@ def three_paths(model: Path, parallel: int, baseline: str | None = None, **confi
     with the pids whose CPU each proxy costs. Prints the code and machine notes.
     `baseline`: a git ref whose corral runs beside this one (its own child of the same model),
     as the path "baseline": an A/B of two builds in one run."""
+    def serve(code: Path | None) -> Served:
+        return corral_and_its_child(model, parallel, code=code, **config)
+
+    with paths(serve, baseline) as found:
+        yield found
+
+
+# A corral and the child it relays to, once entered.
+Served = contextlib.AbstractContextManager[tuple[Corral, Endpoint]]
+
+
+@contextmanager
+def paced_paths(pace_us: int, baseline: str | None = None,
+                ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
+    """three_paths() to bench/fast_upstream.py instead of llama-server: a stream whose events
+    come `pace_us` apart, each in its own write (a model's pace without a model's jitter, so
+    that every proxy reads each event alone and costs per event compare)."""
+    def serve(code: Path | None) -> Served:
+        return corral_and_command_child(
+            [sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port", "${PORT}",
+             "--pace-us", str(pace_us)], code)
+
+    with paths(serve, baseline) as found:
+        yield found
+
+
+@contextmanager
+def corral_and_command_child(command: list[str], code: Path | None = None,
+                             ) -> Iterator[tuple[Corral, Endpoint]]:
+    """corral running `command` as the `command` child "tiny", and the way to it directly."""
+    models = {"tiny": {"backend": "command", "memory_mb": 64, "parallel": 1, "ttl": 0,
+                       "health": "/health", "command": command}}
+    with corral_daemon(models, code=code) as handle:
+        httpx.post(f"{handle.url}/admin/models/tiny/load", timeout=60).raise_for_status()
+        desc = httpx.get(f"{handle.url}/admin/models", timeout=10).json()["models"][0]
+        assert desc["state"] == "ready" and desc["port"], desc
+        yield handle, Endpoint(f"http://127.0.0.1:{desc['port']}", {})
+
+
+@contextmanager
+def paths(serve: Callable[[Path | None], Served], baseline: str | None,
+          ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
+    """direct, corral (`serve(None)`), nginx in front of corral's child, and `baseline` (a git
+    ref, run by `serve(its code)`, relaying to its own child)."""
     with contextlib.ExitStack() as stack:
-        proxied, child = stack.enter_context(corral_and_its_child(model, parallel, **config))
+        proxied, child = stack.enter_context(serve(None))
         nginx = stack.enter_context(nginx_proxy(child))
         urls = {"direct": child, "corral": proxied.endpoint}
         pids = {"corral": [proxied.pid]}
@@ -420,8 +464,7 @@ def three_paths(model: Path, parallel: int, baseline: str | None = None, **confi
             pids["nginx"] = nginx.pids()
         if baseline is not None:
             code = stack.enter_context(checkout(baseline))
-            base, _ = stack.enter_context(corral_and_its_child(model, parallel, code=code,
-                                                               **config))
+            base, _ = stack.enter_context(serve(code))
             urls["baseline"] = base.endpoint
             pids["baseline"] = [base.pid]
             print(f"baseline: corral at {baseline}, its own child of the same model")

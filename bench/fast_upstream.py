@@ -22,6 +22,9 @@ CHUNK = ('{"choices":[{"finish_reason":null,"index":0,"delta":{"content":"tok"}}
          '"object":"chat.completion.chunk"}')
 
 
+PACE: web.AppKey[float] = web.AppKey("pace", float)
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     tokens = int(body.get("max_tokens") or 16)
@@ -36,8 +39,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     event = b"data: " + (CHUNK % created).encode() + b"\n\n"
+    pace = request.app[PACE]
     for _ in range(tokens):
         await response.write(event)  # waits only when the reader is behind (back-pressure)
+        if pace:
+            # A model's pace: the event is sent, then nothing for `pace` s. Blocking on
+            # purpose (an asyncio timer is 1 ms coarse): one stream at a time when paced.
+            time.sleep(pace)
     last = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
             "created": created, "id": "chatcmpl-fast", "model": "fast",
             "object": "chat.completion.chunk", "usage": usage}
@@ -53,8 +61,11 @@ async def health(request: web.Request) -> web.Response:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--pace-us", type=int, default=0,
+                        help="microseconds between a stream's events (one stream at a time)")
     args = parser.parse_args()
     app = web.Application()
+    app[PACE] = args.pace_us / 1e6
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None,

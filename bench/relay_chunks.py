@@ -33,6 +33,7 @@ from _harness import (
     Endpoint,
     cpu_seconds,
     machine_note,
+    paced_paths,
     percentile,
     spread,
     three_paths,
@@ -126,17 +127,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--baseline", metavar="REF",
                         help="also relay through corral at this git ref (A/B in one run)")
+    parser.add_argument("--paced", type=int, metavar="US",
+                        help="stream from bench/fast_upstream.py, an event every US µs, "
+                             "instead of llama-server (whose events often come together)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp))
-        with three_paths(model, 1, baseline=args.baseline) as (urls, pids):
+        if args.paced:
+            opened = paced_paths(args.paced, baseline=args.baseline)
+        else:
+            opened = three_paths(tiny_model(Path(tmp)), 1, baseline=args.baseline)
+        with opened as (urls, pids):
             walls, all_gaps, events, cpu = asyncio.run(
                 measure(urls, pids, args.tokens, args.rounds))
             print(f"machine: {machine_note()}")
 
     n = events["direct"]
-    print(f"one stream of {args.tokens} tokens = {n} SSE events (byte tokens that end mid-UTF-8 "
-          f"are sent together), {args.rounds} rounds per path, rotating order")
+    kind = (f"bench/fast_upstream.py, an event every {args.paced} µs" if args.paced else
+            "llama-server; byte tokens that end mid-UTF-8 are sent together")
+    print(f"one stream of {args.tokens} tokens = {n} SSE events ({kind}), {args.rounds} rounds "
+          f"per path, rotating order")
     for name in urls:
         w = [r[name] for r in walls]
         g = all_gaps[name]
