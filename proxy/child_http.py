@@ -98,7 +98,7 @@ class ChildResponse:
     another request) or close() (it is dropped: the child sees the hang-up)."""
 
     __slots__ = ("_behind", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_waiter",
-                 "_idle_timeout", "_last", "_loop", "_sink", "_timer", "_waiter",
+                 "_idle_timeout", "_last", "_loop", "_sink", "_tail", "_timer", "_waiter",
                  "content_type", "got_bytes", "headers", "keep_alive", "status", "until_eof")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
@@ -123,6 +123,7 @@ class ChildResponse:
         self._timer: asyncio.TimerHandle | None = None
         # pump(): where body bytes go as they come, from the connection's callback.
         self._sink: Callable[[bytes], bool] | None = None
+        self._tail: deque[bytes] | None = None
         self._behind = False
 
     # -- fed by the connection -----------------------------------------------------------------
@@ -144,13 +145,14 @@ class ChildResponse:
         _wake(self._head_waiter)
 
     def _feed(self, data: bytes) -> None:
-        self._last = self._loop.time()
         self._chunks.append(data)
+        if self._sink is not None:
+            return  # pump(): handed to the sink when the read is parsed (_flush)
+        self._last = self._loop.time()
         self._buffered += len(data)
         if self._buffered > _HIGH:
             self._conn.pause()
-        if self._sink is None:  # pump()'s bytes go to the sink when the read is parsed
-            _wake(self._waiter)
+        _wake(self._waiter)
 
     def _complete(self, keep_alive: bool) -> None:
         self._done = True
@@ -165,9 +167,12 @@ class ChildResponse:
         sink = self._sink
         if sink is None:
             return
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._last = self._loop.time()
+        if self._tail is not None:
+            self._tail.append(data)
         try:
             behind = sink(data)
         except ConnectionError as exc:
@@ -230,17 +235,22 @@ class ChildResponse:
             self._last = self._loop.time()
         return data
 
-    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+    async def pump(self, sink: Callable[[bytes], bool],
+                   tail: deque[bytes] | None = None) -> bool:
         """Body bytes handed to `sink` as they come, from the connection's callback: no task
         wakes per chunk. Returns at the end (False), or when `sink` said the client is behind
         (True): the child is not read until the next call, which the caller makes once the
         client took some. Raises what chunk() raises, and what `sink` raised (a client gone).
-        The idle timer runs as for chunk()."""
+        The idle timer runs as for chunk(). `tail`: each piece is also appended to it (a
+        bounded deque: the relay reads the usage from the last events)."""
         self._behind = False
+        self._tail = tail
         if self._chunks:
             self._buffered = 0
             data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
             self._chunks.clear()
+            if tail is not None:
+                tail.append(data)
             if sink(data):
                 self._conn.pause()
                 return True
@@ -264,7 +274,7 @@ class ChildResponse:
         if self._behind:
             return True
         if self._chunks:  # came with the end, after the sink was taken away
-            return await self.pump(sink)
+            return await self.pump(sink, tail)
         return False
 
     def _idle(self) -> None:

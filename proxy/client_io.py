@@ -112,14 +112,17 @@ class ClientWriter:
                 or stream.on_body_write is not None):
             return None
         stream.send_headers()  # the head first, when it is still held back for the body
-        protocol = stream.protocol
+        # Past the high-water mark the transport pauses the protocol (writing_paused): the
+        # same test, without a Python property per chunk.
+        high = transport.get_write_buffer_limits()[1]
+        size = transport.get_write_buffer_size
 
         def put(data: bytes) -> bool:
             if transport.is_closing():
                 raise ConnectionResetError("the client closed the connection")
             # The chunk's framing and its bytes in one buffer: one send.
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-            return protocol.writing_paused
+            return size() > high
 
         return put
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -280,7 +279,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             # as it is and cancels nothing but this relay.
             try:
                 if sink is not None:
-                    if await upstream.pump(sink):
+                    if await upstream.pump(sink, tail):
                         await out.drain()
                         continue
                     chunk = b""
@@ -314,9 +313,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             await out.write(chunk)
             if direct:
                 direct = False
-                through = out.through()
-                if through is not None:
-                    sink = through if tail is None else _kept(tail, through)
+                sink = out.through()
         await out.finish()
     finally:
         # Also when the client hangs up (the handler is cancelled): the OpenAI SDK closes
@@ -325,17 +322,6 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
         if record is not None:
             record.read_stream_tail()
     return out.response
-
-
-def _kept(tail: deque[bytes], put: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
-    """`put`, keeping the last chunks in `tail` (the usage is read from the last event)."""
-    keep = tail.append
-
-    def sink(data: bytes) -> bool:
-        keep(data)
-        return put(data)
-
-    return sink
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
