@@ -94,7 +94,8 @@ def _head(where: Target, path: str, headers: Mapping[str, str], length: int) -> 
 
 class ChildResponse:
     """One answer from a child: status and headers once the head is in, then the body through
-    read() (whole) or chunk() (as it comes). Ends with release() (the connection may serve
+    read() (whole), chunk() (as it comes) or pump() (handed to a sink from the connection's
+    callback, with no task woken per chunk). Ends with release() (the connection may serve
     another request) or close() (it is dropped: the child sees the hang-up)."""
 
     __slots__ = ("_behind", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_waiter",

@@ -10,7 +10,10 @@ upstream request is dropped and the lease released on the way out.
 
 The relay's hot path stays as cheap as aiohttp's own write: a chunk goes into the transport
 without waiting, and only when the transport has paused writing (its buffer above the
-high-water mark: the client is behind) is there a wait, and only that wait gets a timer."""
+high-water mark: the client is behind) is there a wait, and only that wait gets a timer.
+A relayed stream goes further (through()): its chunks are put into the transport from the
+child connection's callback, and the relay's task waits (drain()) only when the client is
+behind."""
 
 from __future__ import annotations
 
