@@ -85,6 +85,8 @@ system-deps:
 bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/relay_chunks.py
+	$(BIN)/python bench/concurrent_streams.py
+	$(BIN)/python bench/relay_ceiling.py
 	$(BIN)/python bench/big_prompt.py
 	$(BIN)/python bench/load_streams.py
 	$(BIN)/python bench/cold_start.py

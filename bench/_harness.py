@@ -6,6 +6,7 @@ where that makes sense); absolute numbers on a shared 2-core VM move a lot from 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,8 +204,27 @@ class Corral:
 
 
 @contextmanager
+def checkout(ref: str) -> Iterator[Path]:
+    """corral's code at git `ref` (a commit, a branch), extracted where a daemon can run it:
+    the folder to put on PYTHONPATH (it holds corral/proxy and corral/supervisor)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "corral"
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "proxy", "supervisor"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        yield Path(tmp)
+
+
+@contextmanager
 def corral_daemon(models: dict[str, dict], log_level: str = "warning",
-                  stop_timeout: float = 60, **config: object) -> Iterator[Corral]:
+                  stop_timeout: float = 60, code: Path | None = None,
+                  **config: object) -> Iterator[Corral]:
+    """`code`: a folder from checkout() to run instead of this checkout's corral."""
+    env = None
+    if code is not None:
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         path = folder / "corral.yaml"
@@ -215,7 +235,7 @@ def corral_daemon(models: dict[str, dict], log_level: str = "warning",
                 [sys.executable, "-m", "corral.supervisor.cli", "serve", "-c", str(path),
                  "--listen", f"127.0.0.1:{port}", "--state-dir", tmp, "--log-level", log_level,
                  "--log-format", "json"],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         handle = Corral(f"http://127.0.0.1:{port}", proc, folder)
         try:
             deadline = time.monotonic() + 60
@@ -263,13 +283,14 @@ def child_headers(pid: int) -> dict[str, str]:
 
 @contextmanager
 def corral_and_its_child(model: Path, parallel: int, extra: list[str] = SHARED_CHILD,
-                         ctx: int = 4096, **config: object) -> Iterator[tuple[Corral, Endpoint]]:
+                         ctx: int = 4096, code: Path | None = None,
+                         **config: object) -> Iterator[tuple[Corral, Endpoint]]:
     """corral serving `model` as "tiny" (loaded, no TTL), and the way to that very child: the
     direct path and nginx talk to the same llama-server process corral relays to, so the
     only difference between the paths is the proxy."""
     models = {"tiny": {"model": str(model), "ctx": ctx, "parallel": parallel, "ttl": 0,
                        "args": extra}}
-    with corral_daemon(models, **config) as handle:
+    with corral_daemon(models, code=code, **config) as handle:
         httpx.post(f"{handle.url}/admin/models/tiny/load", timeout=120).raise_for_status()
         desc = httpx.get(f"{handle.url}/admin/models", timeout=10).json()["models"][0]
         assert desc["state"] == "ready" and desc["port"], desc
@@ -383,17 +404,70 @@ def nginx_proxy(upstream: Endpoint) -> Iterator[Nginx | None]:
 
 
 @contextmanager
-def three_paths(model: Path, parallel: int, **config: object,
+def three_paths(model: Path, parallel: int, baseline: str | None = None, **config: object,
                 ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
     """The ways to one child: direct, through corral and, when installed, through nginx;
-    with the pids whose CPU each proxy costs. Prints the code and machine notes."""
-    with corral_and_its_child(model, parallel, **config) as (proxied, child), \
-            nginx_proxy(child) as nginx:
+    with the pids whose CPU each proxy costs. Prints the code and machine notes.
+    `baseline`: a git ref whose corral runs beside this one (its own child of the same model),
+    as the path "baseline": an A/B of two builds in one run."""
+    def serve(code: Path | None) -> Served:
+        return corral_and_its_child(model, parallel, code=code, **config)
+
+    with paths(serve, baseline) as found:
+        yield found
+
+
+# A corral and the child it relays to, once entered.
+Served = contextlib.AbstractContextManager[tuple[Corral, Endpoint]]
+
+
+@contextmanager
+def paced_paths(pace_us: int, baseline: str | None = None,
+                ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
+    """three_paths() to bench/fast_upstream.py instead of llama-server: a stream whose events
+    come `pace_us` apart, each in its own write (a model's pace without a model's jitter, so
+    that every proxy reads each event alone and costs per event compare)."""
+    def serve(code: Path | None) -> Served:
+        return corral_and_command_child(
+            [sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port", "${PORT}",
+             "--pace-us", str(pace_us)], code)
+
+    with paths(serve, baseline) as found:
+        yield found
+
+
+@contextmanager
+def corral_and_command_child(command: list[str], code: Path | None = None,
+                             ) -> Iterator[tuple[Corral, Endpoint]]:
+    """corral running `command` as the `command` child "tiny", and the way to it directly."""
+    models = {"tiny": {"backend": "command", "memory_mb": 64, "parallel": 1, "ttl": 0,
+                       "health": "/health", "command": command}}
+    with corral_daemon(models, code=code) as handle:
+        httpx.post(f"{handle.url}/admin/models/tiny/load", timeout=60).raise_for_status()
+        desc = httpx.get(f"{handle.url}/admin/models", timeout=10).json()["models"][0]
+        assert desc["state"] == "ready" and desc["port"], desc
+        yield handle, Endpoint(f"http://127.0.0.1:{desc['port']}", {})
+
+
+@contextmanager
+def paths(serve: Callable[[Path | None], Served], baseline: str | None,
+          ) -> Iterator[tuple[dict[str, Endpoint], dict[str, list[int]]]]:
+    """direct, corral (`serve(None)`), nginx in front of corral's child, and `baseline` (a git
+    ref, run by `serve(its code)`, relaying to its own child)."""
+    with contextlib.ExitStack() as stack:
+        proxied, child = stack.enter_context(serve(None))
+        nginx = stack.enter_context(nginx_proxy(child))
         urls = {"direct": child, "corral": proxied.endpoint}
         pids = {"corral": [proxied.pid]}
         if nginx:
             urls["nginx"] = nginx.endpoint
             pids["nginx"] = nginx.pids()
+        if baseline is not None:
+            code = stack.enter_context(checkout(baseline))
+            base, _ = stack.enter_context(serve(code))
+            urls["baseline"] = base.endpoint
+            pids["baseline"] = [base.pid]
+            print(f"baseline: corral at {baseline}, its own child of the same model")
         print(code_note())
         print(f"machine: {machine_note()}")
         yield urls, pids

@@ -94,6 +94,11 @@ def parse(raw: Path) -> list[tuple[list[str], int]]:
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
             frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+            if any(f.startswith("Thread._bootstrap (") for f in frames):
+                # Another thread (the default executor's, anyio's): idle ones waiting on a
+                # lock, which py-spy --native counts as busy. corral's relay runs on the
+                # event loop's thread; /proc/PID/task shows the others near 0 CPU.
+                continue
             stacks.append((frames, int(count)))
     return stacks
 

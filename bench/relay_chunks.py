@@ -33,6 +33,7 @@ from _harness import (
     Endpoint,
     cpu_seconds,
     machine_note,
+    paced_paths,
     percentile,
     spread,
     three_paths,
@@ -40,6 +41,7 @@ from _harness import (
 )
 
 TARGET_MS_PER_CHUNK = 0.2
+TARGET_CPU_US_PER_CHUNK = 20  # issue 27: corral's own CPU per relayed SSE chunk
 
 
 async def stream(session: aiohttp.ClientSession, to: Endpoint,
@@ -61,6 +63,20 @@ async def stream(session: aiohttp.ClientSession, to: Endpoint,
     return (time.perf_counter() - started) * 1000, arrivals[:-1]  # the last event is [DONE]
 
 
+def read_calls(pids: list[int]) -> int:
+    """read() system calls these processes made so far (/proc/PID/io syscr; needs the right
+    to read it: the same user or root). uvloop reads sockets with read(): one per arrival."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("syscr:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def gaps(arrivals: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(arrivals)]
 
@@ -72,6 +88,9 @@ async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], tokens:
     all_gaps: dict[str, list[float]] = {name: [] for name in urls}
     events: dict[str, int] = {}
     cpu = {name: 0.0 for name in pids}
+    per_event: dict[str, list[float]] = {name: [] for name in pids}  # µs, per round
+    per_read: dict[str, list[float]] = {name: [] for name in pids}  # read calls per event
+    per_call: dict[str, list[float]] = {name: [] for name in pids}  # µs per read call
     names = list(urls)
     async with aiohttp.ClientSession() as session:
         for name in names:  # warm-up: connections, the child's prompt cache
@@ -80,12 +99,25 @@ async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], tokens:
             wall: dict[str, float] = {}
             for name in names[r % len(names):] + names[:r % len(names)]:
                 before = cpu_seconds(pids.get(name, []))
+                reads = read_calls(pids.get(name, []))
                 wall[name], arrivals = await stream(session, urls[name], tokens)
                 if name in pids:
-                    cpu[name] += cpu_seconds(pids[name]) - before
+                    spent = cpu_seconds(pids[name]) - before
+                    cpu[name] += spent
+                    per_event[name].append(spent * 1e6 / len(arrivals))
+                    reads = read_calls(pids[name]) - reads
+                    per_read[name].append(reads / len(arrivals))
+                    if reads:
+                        per_call[name].append(spent * 1e6 / reads)
                 all_gaps[name] += gaps(arrivals)
                 events[name] = len(arrivals)
             walls.append(wall)
+    for name, values in per_event.items():
+        print(f"CPU per event, {name}: {spread(values, '{:.1f}')} µs; read() calls per event "
+              f"{spread(per_read[name], '{:.2f}')} (events that come together cost one read: "
+              f"fewer reads, less CPU per event; nginx's recv() is not counted)")
+        if per_call[name]:
+            print(f"    CPU per read() call, {name}: {spread(per_call[name], '{:.1f}')} µs")
     return walls, all_gaps, events, {n: t * 1000 / rounds for n, t in cpu.items()}
 
 
@@ -93,24 +125,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--baseline", metavar="REF",
+                        help="also relay through corral at this git ref (A/B in one run)")
+    parser.add_argument("--paced", type=int, metavar="US",
+                        help="stream from bench/fast_upstream.py, an event every US µs, "
+                             "instead of llama-server (whose events often come together)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp))
-        with three_paths(model, 1) as (urls, pids):
+        if args.paced:
+            opened = paced_paths(args.paced, baseline=args.baseline)
+        else:
+            opened = three_paths(tiny_model(Path(tmp)), 1, baseline=args.baseline)
+        with opened as (urls, pids):
             walls, all_gaps, events, cpu = asyncio.run(
                 measure(urls, pids, args.tokens, args.rounds))
             print(f"machine: {machine_note()}")
 
     n = events["direct"]
-    print(f"one stream of {args.tokens} tokens = {n} SSE events (byte tokens that end mid-UTF-8 "
-          f"are sent together), {args.rounds} rounds per path, rotating order")
+    kind = (f"bench/fast_upstream.py, an event every {args.paced} µs" if args.paced else
+            "llama-server; byte tokens that end mid-UTF-8 are sent together")
+    print(f"one stream of {args.tokens} tokens = {n} SSE events ({kind}), {args.rounds} rounds "
+          f"per path, rotating order")
     for name in urls:
         w = [r[name] for r in walls]
         g = all_gaps[name]
         line = (f"{name:7s} wall {statistics.median(w):7.1f} ms   gap p50 {percentile(g, 50):.3f} "
                 f"p90 {percentile(g, 90):.3f} p99 {percentile(g, 99):.3f} max {max(g):.2f} ms")
         if name in cpu:
-            line += f"   CPU {cpu[name] / events[name]:.4f} ms/event"
+            line += f"   CPU {cpu[name] * 1000 / events[name]:.1f} µs/event"
         print(line)
     print(f"per-chunk cost = (proxy wall - direct wall) / {n} events, per round; "
           f"the spread is this run's noise:")
@@ -127,6 +169,12 @@ def main() -> None:
     cost = statistics.median(per_chunk["corral"])
     print(f"target corral <= {TARGET_MS_PER_CHUNK} ms per chunk: "
           f"{'met' if cost <= TARGET_MS_PER_CHUNK else 'NOT met'} ({cost:+.4f} ms)")
+    cpu_us = cpu["corral"] * 1000 / events["corral"]
+    beside = "".join(f", {name} {cpu[name] * 1000 / events[name]:.1f} µs"
+                     for name in ("nginx", "baseline") if name in cpu)
+    print(f"target corral CPU <= {TARGET_CPU_US_PER_CHUNK} µs per chunk: "
+          f"{'met' if cpu_us <= TARGET_CPU_US_PER_CHUNK else 'NOT met'} ({cpu_us:.1f} µs"
+          f"{beside})")
 
 
 if __name__ == "__main__":

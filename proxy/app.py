@@ -26,6 +26,7 @@ from corral.proxy import (
 )
 from corral.proxy.access import ADMIN
 from corral.proxy.accounting import RECORD, Accounting
+from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -42,13 +43,15 @@ from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
-from corral.supervisor.port import Lease, Supervisor
+from corral.supervisor.port import Supervisor
 
 log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Supervisor] = web.AppKey("daemon", Supervisor)
 ACCOUNTING: web.AppKey[Accounting] = web.AppKey("accounting", Accounting)
 UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
+# The relay's own connections to children (groups and the prompt cache use UPSTREAM).
+CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Whether the request carries an admin key (or no keys are configured): groups not exposed
@@ -69,7 +72,7 @@ def create_app(daemon: Supervisor) -> web.Application:
         # would otherwise be refused below the middlewares, in plain text. read_json_body
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
-        middlewares=[_request_id_middleware, accounting.middleware(), _errors_middleware,
+        middlewares=[_request_id_middleware(), accounting.middleware(), _errors_middleware,
                      _auth_middleware(daemon)],
     )
     app[DAEMON] = daemon
@@ -102,20 +105,29 @@ def create_app(daemon: Supervisor) -> web.Application:
 
 async def _upstream_session(app: web.Application) -> Any:
     app[UPSTREAM] = new_upstream_session()
+    app[CHILDREN] = ChildPool()
     app[GROUPS] = GroupRunner(app[DAEMON], app[UPSTREAM])
     yield
+    app[CHILDREN].close()
     await app[UPSTREAM].close()
 
 
 # -- middlewares -------------------------------------------------------------------------------
 
-@web.middleware
-async def _request_id_middleware(request: web.Request,
-                                 handler: Handler) -> web.StreamResponse:
-    rid = request_id.choose(request.headers.get(request_id.HEADER))
-    request[REQUEST_ID] = rid
-    with request_id.bound(rid):
-        return await handler(request)
+def _request_id_middleware() -> Any:
+    ids = request_id.Ids()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = ids.choose(request.headers.get(request_id.HEADER))
+        request[REQUEST_ID] = rid
+        token = ids.bind(rid)
+        try:
+            return await handler(request)
+        finally:
+            ids.unbind(token)
+
+    return middleware
 
 
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -282,10 +294,6 @@ _RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
 _NOT_RELAYED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
-def upstream_url(lease: Lease, request: web.Request) -> str:
-    return lease.base_url + request.path  # checked by relay_openai against _RELAYABLE
-
-
 async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
     record = request[RECORD]
@@ -306,7 +314,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
     canonical = record.model = target.name
-    spec = daemon.status(canonical).spec
+    spec = daemon.spec(canonical)
     # Refused here, before anything starts: the child would answer 501 only after loading.
     capabilities.check(spec, request.path, body)
     filtered = filters.apply(body, spec.request, request.path)
@@ -316,10 +324,16 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         return await _relay_after_progress(request, canonical, raw)
     async with leased(daemon, canonical) as lease:
         record.leased(lease)
-        response = await relay(request, request.app[UPSTREAM], upstream_url(lease, request),
-                               raw, canonical, lease, record)
+        # request.path was checked against _RELAYABLE above.
+        response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record,
+                               parsed=_as_sent(body, canonical))
     # A whole answer is written once the lease is back: a slow client holds no slot.
     return await client_io.send(request, _documented(response, canonical), canonical)
+
+
+def _as_sent(body: dict[str, Any], canonical: str) -> dict[str, Any]:
+    """What the body relayed (upstream_body's bytes) parses to, without parsing it again."""
+    return body if body.get("model") == canonical else {**body, "model": canonical}
 
 
 async def _relay_after_progress(request: web.Request, model: str,
@@ -332,8 +346,7 @@ async def _relay_after_progress(request: web.Request, model: str,
     try:
         async with leased(daemon, model, stream.acquire(daemon)) as lease:
             record.leased(lease)
-            response = await relay(request, request.app[UPSTREAM],
-                                   upstream_url(lease, request), raw, model, lease, record,
+            response = await relay(request, request.app[CHILDREN], raw, model, lease, record,
                                    started=stream.out if stream.opened else None)
     except ConnectionResetError:
         raise  # the client is gone (or was cut off): nobody to tell, in a stream or not

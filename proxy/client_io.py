@@ -10,7 +10,10 @@ upstream request is dropped and the lease released on the way out.
 
 The relay's hot path stays as cheap as aiohttp's own write: a chunk goes into the transport
 without waiting, and only when the transport has paused writing (its buffer above the
-high-water mark: the client is behind) is there a wait, and only that wait gets a timer."""
+high-water mark: the client is behind) is there a wait, and only that wait gets a timer.
+A relayed stream goes further (through()): its chunks are put into the transport from the
+child connection's callback, and the relay's task waits (drain()) only when the client is
+behind."""
 
 from __future__ import annotations
 
@@ -97,6 +100,39 @@ class ClientWriter:
         if stream.protocol.writing_paused:
             # The buffer is past its high-water mark: the client is behind. Wait for it to
             # take some (down to the low-water mark), for `timeout` at most.
+            await self._bounded(stream.drain())
+
+    def through(self) -> Callable[[bytes], bool] | None:
+        """A write for the relay to call from the child connection's callback, without a task
+        or an await per chunk: it puts one chunk of the chunked body into the transport and
+        says whether the client is behind (the caller then stops reading its source and waits
+        in drain()). It raises ConnectionResetError for a client gone. None when this response
+        is not a plain chunked one (compressed, sized, or a writer of another kind)."""
+        stream = self._stream
+        transport = self.request.transport
+        if (stream is None or transport is None or not stream.chunked
+                or stream.length is not None or self.response.compression
+                or stream.on_body_write is not None):
+            return None
+        stream.send_headers()  # the head first, when it is still held back for the body
+        # Past the high-water mark the transport pauses the protocol (writing_paused): the
+        # same test, without a Python property per chunk.
+        high = transport.get_write_buffer_limits()[1]
+        size = transport.get_write_buffer_size
+
+        def put(data: bytes) -> bool:
+            if transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            # The chunk's framing and its bytes in one buffer: one send.
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return size() > high
+
+        return put
+
+    async def drain(self) -> None:
+        """Wait, for `timeout` at most, until a client that is behind took some bytes."""
+        stream = self._stream
+        if stream is not None and stream.protocol.writing_paused:
             await self._bounded(stream.drain())
 
     async def finish(self, pending: int = 0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from corral.proxy import client_io
+from corral.proxy.child_http import (
+    ChildHttpError,
+    ChildPool,
+    ChildResponse,
+    NotBegun,
+    Silent,
+)
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
@@ -122,50 +130,108 @@ def _broken(model: str, exc: BaseException, what: str) -> UpstreamFailed:
     return UpstreamFailed(f"{model} failed {what}: {reason}")
 
 
-async def relay(request: web.Request, session: aiohttp.ClientSession, url: str,
-                body: bytes, model: str, lease: Lease | None = None,
+_HOP_BY_HOP_BYTES = frozenset(h.encode() for h in _HOP_BY_HOP)
+
+
+def _child_headers(response: ChildResponse) -> CIMultiDict[str]:
+    # Names compared as bytes: a child sends the same few headers on every answer, and
+    # decoding each one only to drop it cost more than the rest of this.
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in response.headers:
+        if name.lower() not in _HOP_BY_HOP_BYTES:
+            headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
+
+
+async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body: bytes,
+                     accept: str, parsed: dict[str, Any] | None = None) -> ChildResponse:
+    """POST `body` to the lease's child at `path` and wait for its response head: the
+    relay's way, over the ChildPool (open_upstream is the same for aiohttp's client).
+
+    The lease's auth header is sent, the model's first_byte_timeout bounds the wait for the
+    head (UpstreamTimeout), its idle_timeout then bounds every silence in the body (Silent,
+    read by the caller), and a request the child never began (stale kept-alive connection) is
+    sent again while the child is alive. Other failures before an answer become
+    UpstreamFailed. `parsed`: what `body` parses to, when known (not parsed again)."""
+    url = lease.base_url + path
+    # The prompt cache: the request pinned to a slot, a saved prefix restored into it.
+    body = await lease.pin(url, body, parsed)
+    if lease.served_name is not None:
+        body = rename_request(body, lease.served_name)
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": accept,
+        # Bytes corral can read (a served_name is renamed in them): a remote endpoint
+        # may compress otherwise, and the relay does not decompress.
+        "Accept-Encoding": "identity",
+        **lease.headers,
+    }
+    for attempt in (1, 2, 3):
+        try:
+            return await pool.post(lease.base_url, path, headers, body,
+                                   lease.first_byte_timeout, lease.idle_timeout)
+        except Silent as exc:
+            raise UpstreamTimeout(
+                f"{model} sent no response within {lease.first_byte_timeout:g}s "
+                "(first_byte_timeout)") from exc
+        except NotBegun as exc:
+            if attempt < 3 and lease.child_alive():
+                log.info("upstream.retry", model=model, attempt=attempt, error=str(exc))
+                continue
+            raise UpstreamFailed(f"{model} dropped the request: {exc}") from exc
+        except ChildHttpError as exc:
+            raise UpstreamFailed(f"{model} dropped the request: {exc}") from exc
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _child_broken(model: str, exc: ChildHttpError, what: str) -> UpstreamFailed:
+    """A short reason for a child that broke off `what`."""
+    if isinstance(exc, Silent):
+        return UpstreamTimeout(f"{model} went silent {what} (idle_timeout)")
+    return UpstreamFailed(f"{model} failed {what}: {exc}")
+
+
+async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, lease: Lease,
                 record: RequestRecord | None = None,
-                started: ClientWriter | None = None) -> web.StreamResponse:
-    """POST `body` to `url` and relay the answer. Raises UpstreamFailed before any byte of the
-    answer was sent; after that, a broken child ends the stream with an SSE error event.
+                started: ClientWriter | None = None,
+                parsed: dict[str, Any] | None = None) -> web.StreamResponse:
+    """POST `body` to the lease's child (at the request's path) and relay the answer. Raises
+    UpstreamFailed before any byte of the answer was sent; after that, a broken child ends
+    the stream with an SSE error event.
     A stream is written here, through proxy/client_io (a client that stops reading is cut off,
     ClientStalled); a whole answer comes back unsent, for the caller to send with
     client_io.send once the lease is back.
     `record` takes the timings and token counts; `started`: an event stream already sent to
-    the client (loading progress), which the child's stream continues."""
-    upstream = await open_upstream(session, url, model, lease, data=body, headers={
-        "Content-Type": "application/json",
-        "Accept": request.headers.get("Accept", "*/*"),
-        # Bytes corral can read (a served_name is renamed in them): a remote endpoint
-        # may compress otherwise, and the relay does not decompress.
-        "Accept-Encoding": "identity",
-    })
+    the client (loading progress), which the child's stream continues; `parsed`: what
+    `body` parses to, when known."""
+    upstream = await open_child(pool, request.path, model, lease, body,
+                                request.headers.get("Accept", "*/*"), parsed)
     if record is not None:
         record.head()
-        record.restored = lease.restored if lease is not None else None
+        record.restored = lease.restored
     try:
         if upstream.content_type == "text/event-stream":
             response = await _relay_stream(request, upstream, model, record, started, lease)
         else:
             try:
                 payload = await upstream.read()
-            except UPSTREAM_BROKE as exc:
-                raise _broken(model, exc, "while answering") from exc
+            except ChildHttpError as exc:
+                raise _child_broken(model, exc, "while answering") from exc
             if record is not None:
                 record.first_bytes()
-                record.read_usage(payload)
-            if lease is not None and lease.served_name is not None:
+                record.answer = payload  # its usage is read once it is sent (finish)
+            if lease.served_name is not None:
                 payload = rename_answer(payload, lease.served_name, lease.model)
             if started is not None:
                 response = await _end_with_answer(started, upstream.status, payload, model)
             else:
                 response = web.Response(status=upstream.status, body=payload,
-                                        headers=_response_headers(upstream))
+                                        headers=_child_headers(upstream))
                 if record is not None:
                     response.headers["Server-Timing"] = record.server_timing()
     except BaseException:
         # Cancelled (client gone) or broken: drop the upstream connection so the child
-        # sees the hang-up and frees its slot, instead of returning it to the pool.
+        # sees the hang-up and frees its slot, instead of keeping it for the next request.
         upstream.close()
         raise
     upstream.release()
@@ -184,14 +250,13 @@ async def _end_with_answer(started: ClientWriter, status: int, payload: bytes,
     return started.response
 
 
-async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+async def _relay_stream(request: web.Request, upstream: ChildResponse,
                         model: str, record: RequestRecord | None,
-                        started: ClientWriter | None,
-                        lease: Lease | None = None) -> web.StreamResponse:
+                        started: ClientWriter | None, lease: Lease) -> web.StreamResponse:
     if started is not None:
         out = started
     else:
-        headers = _response_headers(upstream)
+        headers = _child_headers(upstream)
         headers.update(sse_headers())
         if record is not None:
             headers["Server-Timing"] = record.server_timing()
@@ -199,33 +264,43 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                                                            headers=headers), model)
         await out.prepare()
     tail = record.tail if record is not None else None
-    chunks = upstream.content.iter_any().__aiter__()
     renamer = StreamRenamer(lease.served_name, lease.model) \
-        if lease is not None and lease.served_name is not None else None
+        if lease.served_name is not None else None
+    # Once the head is out (with the first chunk), a stream that needs no rename goes from the
+    # child's connection straight into the client's transport, in the connection's callback:
+    # no task wakes per chunk. This task then waits for the end, a failure, or a client that
+    # is behind (it waits for the client, then the child is read again).
+    direct = renamer is None  # the first chunk is yet to go out the usual way
+    sink: Callable[[bytes], bool] | None = None
     try:
         while True:
             # Only the read from the child is the child's fault; a failed write to the client
             # (it hung up, or took nothing for client_write_timeout: ClientStalled) propagates
             # as it is and cancels nothing but this relay.
             try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                if renamer is not None:
-                    rest = renamer.flush()
-                    if rest:
-                        await out.write(rest)
-                break
-            except UPSTREAM_BROKE as exc:
-                failure = _broken(model, exc, "mid-stream")
+                if sink is not None:
+                    if await upstream.pump(sink, tail):
+                        await out.drain()
+                        continue
+                    chunk = b""
+                else:
+                    chunk = await upstream.chunk()
+            except ChildHttpError as exc:
+                failure = _child_broken(model, exc, "mid-stream")
                 code = ("upstream_timeout" if isinstance(failure, UpstreamTimeout)
                         else "upstream_failed")
                 log.warning("proxy.stream_broken", model=model, error=str(failure))
                 upstream.close()  # the child must see the hang-up (and drop the generation)
                 await out.write(error_event(str(failure), code=code))  # the client first
-                if lease is not None:
-                    # A dead child is marked failed now, a silent one probed now (and killed
-                    # when it does not answer): the next request gets a fresh child.
-                    await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
+                # A dead child is marked failed now, a silent one probed now (and killed
+                # when it does not answer): the next request gets a fresh child.
+                await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
+                break
+            if not chunk:
+                if renamer is not None:
+                    rest = renamer.flush()
+                    if rest:
+                        await out.write(rest)
                 break
             if tail is not None:
                 if not tail and record is not None:
@@ -236,6 +311,9 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                 if not chunk:
                     continue
             await out.write(chunk)
+            if direct:
+                direct = False
+                sink = out.through()
         await out.finish()
     finally:
         # Also when the client hangs up (the handler is cancelled): the OpenAI SDK closes

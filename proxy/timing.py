@@ -14,6 +14,9 @@ from corral.supervisor.port import Lease, Restored
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
 _TAIL_CHUNKS = 4
+# A whole answer up to this size is parsed for its usage at once (microseconds); a larger one
+# (embeddings) only around its usage.
+_WHOLE_PARSE = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -42,6 +45,8 @@ class RequestRecord:
     prompt_ms_per_token: float | None = None  # the child's prefill speed for this request
     tail: collections.deque[bytes] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
+    # A whole answer, kept until finish() reads its usage: after it was sent, not before.
+    answer: bytes | None = None
 
     def leased(self, lease: Lease) -> None:
         """The lease is in: split the wait into start and queue. A request whose instance
@@ -81,6 +86,15 @@ class RequestRecord:
         Only those objects are parsed, found from the end: an embeddings answer of megabytes
         is not decoded on the event loop for two numbers."""
         found: dict[str, Any] = {}
+        if len(body) <= _WHOLE_PARSE:
+            # A chat answer of a few KB: one parse is cheaper than finding both objects.
+            try:
+                data = json.loads(body)
+            except ValueError:
+                return
+            if isinstance(data, dict):
+                self._take_usage(data)
+            return
         for key in ("usage", "timings"):
             value = _object_after(body, key)
             if value is not None:
@@ -126,6 +140,9 @@ class RequestRecord:
                 self.tokens_per_s = float(speed)
 
     def finish(self, status: int) -> None:
+        if self.answer is not None:
+            self.read_usage(self.answer)
+            self.answer = None  # kept in the recent list: no answer bytes with it
         self.status = self.error_status or status
         self.tail.clear()  # kept in the recent list: no stream bytes with it
         self.duration_s = time.monotonic() - self.arrived

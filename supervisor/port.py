@@ -65,7 +65,8 @@ class Restored:
 class PromptSlots(Protocol):
     """A child's slots, as the prompt cache tracks them (supervisor/prompt_cache/)."""
 
-    async def pin(self, lease: Lease, url: str, body: Any) -> Any: ...
+    async def pin(self, lease: Lease, url: str, body: Any,
+                  parsed: dict[str, Any] | None = None) -> Any: ...
     def unpin(self, lease: Lease) -> None: ...
 
 
@@ -107,14 +108,14 @@ class Lease:
         self.slot: int | None = None  # the child's slot the request was pinned to (id_slot)
         self.restored: Restored | None = None
 
-    async def pin(self, url: str, body: Any) -> Any:
+    async def pin(self, url: str, body: Any, parsed: dict[str, Any] | None = None) -> Any:
         """Before the request goes to the child's `url` (at most once): with the prompt cache
         on, the body (bytes or a dict) pinned to a slot (`id_slot`), and a saved prefix
         restored into that slot when it is empty and one matches (`restored`). Otherwise the
-        body as is."""
+        body as is. `parsed`: what bytes `body` parse to, when the caller has it already."""
         if self._prompt_slots is None or self.slot is not None:
             return body
-        return await self._prompt_slots.pin(self, url, body)
+        return await self._prompt_slots.pin(self, url, body, parsed)
 
     def release(self) -> None:
         if not self._released:
@@ -167,6 +168,7 @@ class Supervisor(Protocol):
     # read models
     def resolve(self, name: str) -> str | None: ...
     def status(self, name: str) -> ModelStatus: ...
+    def spec(self, name: str) -> ModelSpec: ...
     def statuses(self) -> list[ModelStatus]: ...
     def ready_now(self, name: str) -> bool: ...
     def describe(self) -> list[dict[str, Any]]: ...

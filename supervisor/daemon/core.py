@@ -178,6 +178,7 @@ class Daemon:
     child_logs = read_model_part.child_logs
     follow_logs = read_model_part.follow_logs
     status = read_model_part.status
+    spec = read_model_part.spec
     statuses = read_model_part.statuses
     ready_now = read_model_part.ready_now
     inventory = read_model_part.inventory

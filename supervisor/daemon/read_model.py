@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from corral.supervisor.config import GroupSpec, LoadedConfig
+from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
 from corral.supervisor.errors import NotServed
 from corral.supervisor.instance import Instance, State
 from corral.supervisor.inventory import cached_facts, read_facts
@@ -103,6 +103,11 @@ def status(self: Daemon, name: str) -> ModelStatus:
     answering = None if rs.primary.backend.spawns or health.last_probe is None \
         else health.failures == 0
     return ModelStatus(rs.name, rs.spec, rs.state(), rs.primary.since, answering)
+
+def spec(self: Daemon, name: str) -> ModelSpec:
+    """A model's config (a canonical name, an alias), without the status around it: the
+    relay reads it on every request. Raises UnknownModel."""
+    return self.replica_set(name).spec
 
 def statuses(self: Daemon) -> list[ModelStatus]:
     return [self.status(name) for name in self.models]

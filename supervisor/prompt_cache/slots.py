@@ -103,7 +103,8 @@ class Slots:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def pin(self, lease: Lease, url: str, body: Any) -> Any:
+    async def pin(self, lease: Lease, url: str, body: Any,
+                  parsed: dict[str, Any] | None = None) -> Any:
         path = urlsplit(url).path
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
@@ -119,10 +120,11 @@ class Slots:
                 await self._restore(lease, 0, record)
             self.records[0] = record
             return body
-        try:
-            parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
-        except ValueError:
-            return body  # the child answers that itself
+        if parsed is None:
+            try:
+                parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+            except ValueError:
+                return body  # the child answers that itself
         if not isinstance(parsed, dict):
             return body
         conversation = _conversation(path, parsed)
@@ -136,11 +138,18 @@ class Slots:
         if self.records[slot] is None:
             await self._restore(lease, slot, record)
         self.records[slot] = record
-        pinned = {**parsed, "id_slot": slot}
         if not isinstance(body, (bytes, bytearray)):
-            return pinned
+            return {**parsed, "id_slot": slot}
+        if "id_slot" not in parsed:
+            # The field goes in front of the object's first member, the body's bytes as they
+            # are after it: no re-encoding (it cost 10 µs of a small chat's relay, more with
+            # every message). The body parsed as a JSON object above: `{` is its first byte
+            # after any whitespace, and a member follows (it has a conversation).
+            start = body.index(b"{") + 1
+            return b'{"id_slot":%d,' % slot + bytes(body[start:])
         # Compact, UTF-8 as it came: the body must not grow (\u escapes, spaces).
-        return json.dumps(pinned, ensure_ascii=False, separators=(",", ":")).encode()
+        return json.dumps({**parsed, "id_slot": slot}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
 
     def unpin(self, lease: Lease) -> None:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
