@@ -112,11 +112,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="per path, all rounds")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", metavar="REF",
+                        help="a git ref whose corral runs beside this one, as path 'baseline'")
     args = parser.parse_args()
     per_round = max(1, args.requests // args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        with three_paths(model, args.concurrency, defaults={"max_queue": 1024}) as (urls, pids):
+        with three_paths(model, args.concurrency, args.baseline,
+                         defaults={"max_queue": 1024}) as (urls, pids):
             lat_rounds, rps_rounds, cpu = asyncio.run(
                 measure(urls, pids, per_round, args.rounds, args.concurrency))
             print(f"machine: {machine_note()}")
@@ -133,7 +136,7 @@ def main() -> None:
         p50, p99 = percentile(lat[name], 50), percentile(lat[name], 99)
         r1 = statistics.median(r[name] for r in rps1)
         r8 = statistics.median(r[name] for r in rps_rounds)
-        line = (f"{name:7s} p50 {p50:7.3f} ms  p99 {p99:7.3f} ms   req/s c1 {r1:6.1f}  "
+        line = (f"{name:8s} p50 {p50:7.3f} ms  p99 {p99:7.3f} ms   req/s c1 {r1:6.1f}  "
                 f"c{c} {r8:6.1f}")
         if name != "direct":
             line += (f"   added p50 {p50 - d50:+.3f} ms  p99 {p99 - d99:+.3f} ms   "
