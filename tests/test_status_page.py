@@ -197,11 +197,14 @@ def history_run(corral: Corral) -> dict[str, Any]:
     wait_until(lambda: corral.model("tiny-b")["state"] == "stopped", timeout=30)
 
     def sampled() -> dict[str, Any] | None:
-        # The requests are in the history once a sample closed their step.
+        # The requests are in the history once a sample closed their step, and the children's
+        # memory once a sample was taken after the memory loop first measured them (a step can
+        # close on a reading from before: the two loops keep their own clocks).
         body = corral.http.get("/admin/history").json()
         models = {m["name"]: m["samples"] for m in body["models"]}
         done = sum(s["requests"] for s in models.get("tiny-a", []))
-        return body if done >= 3 else None
+        measured = any(s["corral_mib"] > 0 for d in body["devices"] for s in d["samples"])
+        return body if done >= 3 and measured else None
 
     return wait_until(sampled, timeout=30)
 
