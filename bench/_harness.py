@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import httpx
@@ -471,3 +472,22 @@ def paths(serve: Callable[[Path | None], Served], baseline: str | None,
         print(code_note())
         print(f"machine: {machine_note()}")
         yield urls, pids
+
+
+async def stream_arrivals(session: Any, to: Endpoint, body: dict[str, Any],
+                          ) -> tuple[float, list[float]]:
+    """One streamed chat: wall ms request → [DONE], and each data event's arrival (ms from
+    the start; [DONE] left out). The stream benches' one client loop."""
+    arrivals: list[float] = []
+    tail = b""
+    started = time.perf_counter()
+    async with session.post(to.url + "/v1/chat/completions", json=body,
+                            headers=to.headers) as resp:
+        assert resp.status == 200, resp.status
+        async for chunk in resp.content.iter_any():
+            now = (time.perf_counter() - started) * 1000
+            # An event's "data:" may straddle two reads: count it with the last chunk's tail.
+            arrivals.extend([now] * (tail[-5:] + chunk).count(b"data:"))
+            tail = chunk
+    assert tail.endswith(b"data: [DONE]\n\n"), tail[-200:]
+    return (time.perf_counter() - started) * 1000, arrivals[:-1]

@@ -33,6 +33,7 @@ from _harness import (
     machine_note,
     percentile,
     spread,
+    stream_arrivals,
     three_paths,
     tiny_model,
 )
@@ -57,18 +58,7 @@ async def _one(session: aiohttp.ClientSession, to: Endpoint, tokens: int,
                ) -> tuple[float, list[float], int]:
     body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
-    started = time.perf_counter()
-    arrivals: list[float] = []
-    tail = b""
-    async with session.post(to.url + "/v1/chat/completions", json=body,
-                            headers=to.headers) as resp:
-        assert resp.status == 200, resp.status
-        async for chunk in resp.content.iter_any():
-            now = (time.perf_counter() - started) * 1000
-            arrivals.extend([now] * (tail[-6:] + chunk).count(b"data: "))
-            tail = chunk
-    assert tail.endswith(b"data: [DONE]\n\n"), tail[-100:]
-    events = arrivals[:-1]  # the last is [DONE]
+    _, events = await stream_arrivals(session, to, body)
     return events[0], [b - a for a, b in itertools.pairwise(events)], len(events)
 
 

@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
@@ -36,6 +35,7 @@ from _harness import (
     paced_paths,
     percentile,
     spread,
+    stream_arrivals,
     three_paths,
     tiny_model,
 )
@@ -49,18 +49,7 @@ async def stream(session: aiohttp.ClientSession, to: Endpoint,
     """Wall ms request → [DONE], and each data event's arrival time (ms from the start)."""
     body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    arrivals: list[float] = []
-    tail = b""
-    started = time.perf_counter()
-    async with session.post(to.url + "/v1/chat/completions", json=body,
-                            headers=to.headers) as resp:
-        assert resp.status == 200, resp.status
-        async for chunk in resp.content.iter_any():
-            now = (time.perf_counter() - started) * 1000
-            arrivals.extend([now] * (tail[-5:] + chunk).count(b"data:"))
-            tail = chunk
-    assert b"[DONE]" in tail, tail[-200:]
-    return (time.perf_counter() - started) * 1000, arrivals[:-1]  # the last event is [DONE]
+    return await stream_arrivals(session, to, body)
 
 
 def read_calls(pids: list[int]) -> int:
