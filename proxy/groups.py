@@ -30,6 +30,8 @@ log = structlog.get_logger("corral.groups")
 
 CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+# About 512 tokens of English: what a small sentence-embedding model reads of one answer.
+EMBED_CHARS = 2000
 # Request fields that steer the group itself; everything else goes to every member as is.
 GROUP_FIELDS = frozenset({"group", "models", "template", "stream", "stream_options", "model"})
 
@@ -435,7 +437,11 @@ class GroupRunner:
         # The answers themselves, as written, unless a value was extracted from them.
         texts = [b.vote if rule.extract else (outcome.responses[b.index].content or "")
                  for b in cast if b.vote is not None]
-        vectors = await self.embed(outcome, rule.similar_model, texts) if texts else []
+        # The embedder sees each answer's opening only: a sentence-embedding model's context
+        # is short (all-MiniLM's: 512 tokens), and one long answer past it would fail the
+        # whole vote. The stances below read the whole text.
+        vectors = await self.embed(outcome, rule.similar_model,
+                                   [t[:EMBED_CHARS] for t in texts]) if texts else []
         stances = [votes.stance(t, rule.distinct_numbers, rule.distinct_yes_no) for t in texts]
         return votes.tally_similar(rule.compare, cast, vectors, rule.threshold, rule.quorum,
                                    stances)
@@ -481,7 +487,7 @@ def agreement_note(tally: votes.Tally | None, number: dict[int, int]) -> str:
     agreeing = ", ".join(str(number[i]) for i in winner.members)
     others = [str(number[b.index]) for b in tally.ballots if b.index not in winner.members]
     line = (f"Answers {agreeing} agree ({len(winner.members)} of {tally.voters}, "
-            f"compared by {tally.compare}: {winner.vote!r})")
+            f"compared by {tally.compare}: {votes.shown(winner.vote)!r})")
     if others:
         line += f"; answers {', '.join(others)} differ"
     return line + ".\n\n"

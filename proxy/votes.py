@@ -26,6 +26,16 @@ def normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower()).rstrip(".!")
 
 
+# What a report shows of one vote. Under `exact` (or `similar` on whole answers) a vote is the
+# whole answer, and the report names it per member, per bloc and as the winner: a member's
+# answer as long as its max_tokens allowed would come back three times over.
+SHOWN_CHARS = 200
+
+
+def shown(vote: str | None) -> str | None:
+    return vote if vote is None or len(vote) <= SHOWN_CHARS else vote[:SHOWN_CHARS] + "…"
+
+
 def extract(rule: VoteSpec, text: str) -> str | None:
     """What `text` votes for under `rule`, normalized; None: it casts no vote."""
     value: str | None
@@ -95,7 +105,7 @@ class Bloc:
     cohesion: float = 1.0  # similar: mean cosine of its members to its centre
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"vote": self.vote, "members": self.members,
+        out: dict[str, Any] = {"vote": shown(self.vote), "members": self.members,
                                "count": len(self.members)}
         if self.cohesion != 1.0:
             out["cohesion"] = round(self.cohesion, 4)
@@ -143,10 +153,10 @@ class Tally:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "compare": self.compare,
-            "votes": [{"index": b.index, "model": b.model, "vote": b.vote,
+            "votes": [{"index": b.index, "model": b.model, "vote": shown(b.vote),
                        "bloc": self._bloc_of(b.index)} for b in self.ballots],
             "blocs": [bloc.as_dict() for bloc in self.blocs],
-            "winner": self.winner.vote if self.winner else None,
+            "winner": shown(self.winner.vote) if self.winner else None,
             "agree": self.agree, "of": self.voters, "share": round(self.share, 4),
             "agreement": self.agreement, "tie": self.tie}
         if self.quorum is not None:
@@ -180,8 +190,8 @@ def _ranked(blocs: list[Bloc], tie_rule: str) -> tuple[list[Bloc], dict[str, Any
     if tie_rule == "tightest cluster" and round(tied[0].cohesion, 6) == round(tied[1].cohesion,
                                                                               6):
         broken_by = "first in order"
-    return blocs, {"between": [b.vote for b in tied], "size": len(tied[0].members),
-                   "broken_by": broken_by, "winner": blocs[0].vote}
+    return blocs, {"between": [shown(b.vote) for b in tied], "size": len(tied[0].members),
+                   "broken_by": broken_by, "winner": shown(blocs[0].vote)}
 
 
 def tally_by_value(compare: str, cast: list[Ballot], quorum: int | None = None) -> Tally:

@@ -437,6 +437,16 @@ def test_tally_by_value_counts_ties_and_abstentions() -> None:
     assert nobody.winner is None and nobody.agreement == "none" and nobody.quorum_met
 
 
+def test_a_report_shows_each_long_vote_cut_short() -> None:
+    # Under `exact` a vote is the whole answer; the report names it per member, per bloc and
+    # as the winner, so a long answer would come back three times whole.
+    long = "paris " * 500
+    report = votes.tally_by_value("exact", cast(long, long, "rome")).as_dict()
+    shown = [report["winner"], report["votes"][0]["vote"], report["blocs"][0]["vote"]]
+    assert all(s == long[:votes.SHOWN_CHARS] + "…" for s in shown), shown
+    assert report["votes"][2]["vote"] == "rome" and report["agree"] == 2
+
+
 def test_clusters_follow_average_linkage_not_chains() -> None:
     # 0 and 1 alike, 1 and 2 alike, 0 and 2 not: single linkage would chain all three.
     vectors = [[1.0, 0.0], [0.9, 0.44], [0.6, 0.8], [-1.0, 0.1]]
