@@ -55,12 +55,6 @@ def new_upstream_session() -> aiohttp.ClientSession:
     )
 
 
-def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    headers = CIMultiDict((k, v) for k, v in upstream.headers.items()
-                          if k.lower() not in _HOP_BY_HOP)
-    return headers
-
-
 async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
                         lease: Lease | None = None, **request: Any) -> aiohttp.ClientResponse:
     """POST to a child and wait for its response head.
@@ -291,10 +285,13 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                         else "upstream_failed")
                 log.warning("proxy.stream_broken", model=model, error=str(failure))
                 upstream.close()  # the child must see the hang-up (and drop the generation)
-                await out.write(error_event(str(failure), code=code))  # the client first
-                # A dead child is marked failed now, a silent one probed now (and killed
-                # when it does not answer): the next request gets a fresh child.
-                await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
+                try:
+                    await out.write(error_event(str(failure), code=code))  # the client first
+                finally:
+                    # Even when that write fails, stalls or is cancelled (the client gone
+                    # too): a dead child is marked failed now, a silent one probed now (and
+                    # killed when it does not answer), so the next request gets a fresh child.
+                    await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
                 break
             if not chunk:
                 if renamer is not None:
