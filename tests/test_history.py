@@ -149,7 +149,8 @@ def test_a_shorter_window_and_only_what_is_new_since_a_sample(
     minute = history.as_dict(minutes=1)
     assert minute["minutes"] == 1 and len(minute["times"]) == 12
     assert all(t > clock.now - 60 for t in minute["times"])
-    assert all(s["time"] in minute["times"] for m in minute["models"] for s in m["samples"])
+    samples = [s for m in minute["models"] for s in m["samples"]]
+    assert samples and all(s["time"] in minute["times"] for s in samples)
     seen = history.as_dict()["times"][-3]
     newer = history.as_dict(since=seen)
     assert newer["times"] == history.as_dict()["times"][-2:]
