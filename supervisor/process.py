@@ -16,11 +16,11 @@ import aiohttp
 import psutil
 import structlog
 
+from corral.supervisor import log_pipe
 from corral.supervisor.reaper import GroupKeeper
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
-_LOG_LINE_LIMIT = 1 << 20
 KILL_WAIT_S = 5.0
 
 
@@ -133,8 +133,14 @@ class LogRing:
         self._grown = asyncio.Event()
 
     def append(self, line: str) -> None:
-        self._lines.append(line)
-        self.written += 1
+        self.extend((line,))
+
+    def extend(self, lines: Sequence[str]) -> None:
+        """A batch of lines, with one wake-up for the readers waiting."""
+        if not lines:
+            return
+        self._lines.extend(lines)
+        self.written += len(lines)
         self._grown.set()
         self._grown = asyncio.Event()  # re-armed: the next waiter waits for the next line
 
@@ -203,45 +209,38 @@ class ChildProcess:
 
     async def spawn(self) -> int:
         env = child_environment(os.environ, self.env)
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group: one killpg stops it and its helpers
-            preexec_fn=_child_setup,
-        )
+        read_end, write_end = log_pipe.open_pipe()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group: one killpg stops it and helpers
+                preexec_fn=_child_setup,
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the child's now: end of file comes when it (and helpers) exit
         self.started_at = time.time()
         if self._keeper is not None:
             self._keeper.watch(self._proc.pid)  # its group is the child's pid
         self._log = self._log.bind(pid=self._proc.pid)
         self._log.info("child.spawned", argv=self.argv)
-        self._reader = asyncio.create_task(self._read_output(), name=f"logs:{self.name}")
+        # Read in batches (supervisor/log_pipe.py): a busy llama-server logs ten lines a
+        # request, and a wake-up per write was on every relayed request's bill.
+        self._reader = asyncio.create_task(log_pipe.read_lines(read_end, self._keep),
+                                           name=f"logs:{self.name}")
         return self._proc.pid
 
-    async def _read_output(self) -> None:
-        # Chunks, not readline(): a busy llama-server logs several lines per request, and one
-        # wake-up per chunk keeps this off the proxy's hot path.
-        assert self._proc and self._proc.stdout
-        stream = self._proc.stdout
-        pending = b""
-        while True:
-            chunk = await stream.read(65536)
-            if not chunk:
-                break
-            *lines, pending = (pending + chunk).split(b"\n")
-            if len(pending) > _LOG_LINE_LIMIT:
-                lines.append(pending)
-                pending = b""
-            for raw in lines:
-                self._keep(raw)
-        self._keep(pending)
-
-    def _keep(self, raw: bytes) -> None:
-        line = raw.decode("utf-8", "replace").rstrip()
-        if line:
-            self.logs.append(line)
+    def _keep(self, raw_lines: list[bytes]) -> None:
+        lines = [line for raw in raw_lines
+                 if (line := raw.decode("utf-8", "replace").rstrip())]
+        self.logs.extend(lines)
+        for line in lines:
             self._log.debug("child.output", line=line)
 
     async def exited(self) -> int:

@@ -1,0 +1,101 @@
+"""A child's output, read in batches.
+
+llama-server logs about 1 KB in ten lines per request, in several writes. Read as they come,
+that was ~2.7 reads, as many event-loop wake-ups and a task step each per relayed request
+(strace on the proxy_overhead load): the daemon's costliest thing after the relay itself, paid
+on every request whichever way it reached the child. Here the pipe is read when it has data,
+then left alone for BATCH_S: whatever the child wrote meanwhile waits in the pipe (grown to
+PIPE_BYTES where the kernel allows) and comes in one read. A quiet child costs nothing; a
+chatty one at most 1 / BATCH_S reads a second. Lines reach the log ring at most BATCH_S late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+from collections.abc import Callable
+from typing import cast
+
+BATCH_S = 0.02
+# 1 MiB: Linux's default pipe-max-size for an unprivileged process. At that size a child
+# would have to log 50 MB/s to fill it within a batch and block on its own write.
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# A "line" that long without a newline is kept as it is (a child printing a progress bar with
+# carriage returns only, or binary): the buffer never grows without bound.
+LINE_LIMIT = 1 << 20
+
+
+def open_pipe() -> tuple[int, int]:
+    """(read end, write end) for a child's stdout and stderr, the read end non-blocking and
+    close-on-exec (the child gets only the write end)."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):  # a smaller pipe only means more reads
+        fcntl.fcntl(read_end, _F_SETPIPE_SZ, PIPE_BYTES)
+    os.set_blocking(read_end, False)
+    return read_end, write_end
+
+
+class LineReader(asyncio.Protocol):
+    """Splits what the pipe delivers into lines for `keep` (one call per batch: a list of raw
+    lines, without their newlines); `done` resolves at end of file."""
+
+    def __init__(self, keep: Callable[[list[bytes]], None], batch_s: float = BATCH_S) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._keep = keep
+        self._batch_s = batch_s
+        self._pending = b""
+        self._transport: asyncio.ReadTransport | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's pipe transport is not registered as an asyncio.ReadTransport, but it is one.
+        self._transport = cast(asyncio.ReadTransport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        if len(self._pending) > LINE_LIMIT:
+            lines.append(self._pending)
+            self._pending = b""
+        if lines:
+            self._keep(lines)
+        transport = self._transport
+        if transport is not None and self._resume is None and not transport.is_closing():
+            transport.pause_reading()
+            self._resume = self._loop.call_later(self._batch_s, self._read_again)
+
+    def _read_again(self) -> None:
+        self._resume = None
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self._pending:
+            self._keep([self._pending])
+            self._pending = b""
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def read_lines(read_end: int, keep: Callable[[list[bytes]], None],
+                     batch_s: float = BATCH_S) -> None:
+    """Read `read_end` (which this takes over and closes) until end of file, batch by batch."""
+    loop = asyncio.get_running_loop()
+    reader = LineReader(keep, batch_s)
+    transport, _ = await loop.connect_read_pipe(lambda: reader,
+                                                os.fdopen(read_end, "rb", buffering=0))
+    try:
+        await reader.done
+    finally:
+        transport.close()
