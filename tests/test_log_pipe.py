@@ -1,0 +1,111 @@
+"""A child's output read in batches (supervisor/log_pipe.py): every line arrives, in order, in
+few reads however the child writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import uvloop
+
+from corral.supervisor import log_pipe
+from corral.supervisor.process import ChildProcess
+
+# A child that writes `n` lines, each in its own flushed write, `pause` seconds apart, then a
+# last line without a newline.
+WRITER = """
+import sys, time
+n, pause = int(sys.argv[1]), float(sys.argv[2])
+for i in range(n):
+    sys.stdout.write(f"line {i}\\n"); sys.stdout.flush()
+    time.sleep(pause)
+sys.stdout.write("the end, unterminated"); sys.stdout.flush()
+"""
+
+
+async def _read_child(n: int, pause: float) -> tuple[list[list[bytes]], float]:
+    read_end, write_end = log_pipe.open_pipe()
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(n), str(pause)],
+                             stdout=write_end)
+
+    os.close(write_end)
+    batches: list[list[bytes]] = []
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(log_pipe.read_lines(read_end, batches.append), 60)
+    elapsed = loop.time() - started
+    assert child.wait(10) == 0
+    return batches, elapsed
+
+
+def test_every_line_in_order_in_few_batches() -> None:
+    batches, elapsed = uvloop.run(_read_child(400, 0.001))
+    lines = [line for batch in batches for line in batch]
+    assert lines == [f"line {i}".encode() for i in range(400)] + [b"the end, unterminated"]
+    # One batch per BATCH_S at most while the child writes (plus the first and the last):
+    # read as they came, 400 writes would have been ~400 batches.
+    most = elapsed / log_pipe.BATCH_S + 3
+    assert len(batches) <= most, (len(batches), elapsed)
+    assert len(batches) < 100
+
+
+def test_a_chatty_child_is_not_blocked_by_the_pause() -> None:
+    # 4 MB in one go: more than the pipe holds (1 MiB, or 64 KiB where the kernel refuses):
+    # the child blocks only until the next batch, and nothing is lost.
+    async def run() -> list[bytes]:
+        read_end, write_end = log_pipe.open_pipe()
+        code = "import sys\nfor i in range(200000): sys.stdout.write(f'{i:019d}\\n')\n"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=write_end)
+        import os
+        os.close(write_end)
+        got: list[bytes] = []
+        await asyncio.wait_for(log_pipe.read_lines(read_end, got.extend), 60)
+        assert child.wait(10) == 0
+        return got
+
+    got = uvloop.run(run())
+    assert len(got) == 200000 and got[-1] == b"%019d" % 199999 and got[123] == b"%019d" % 123
+
+
+def test_a_line_past_the_limit_is_cut_not_buffered_forever() -> None:
+    async def run() -> list[bytes]:
+        read_end, write_end = log_pipe.open_pipe()
+        size = log_pipe.LINE_LIMIT * 2 + 10
+        code = f"import sys\nsys.stdout.write('x' * {size})\nsys.stdout.flush()\n"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=write_end)
+        import os
+        os.close(write_end)
+        got: list[bytes] = []
+        await asyncio.wait_for(log_pipe.read_lines(read_end, got.extend), 60)
+        assert child.wait(10) == 0
+        return got
+
+    got = uvloop.run(run())
+    assert b"".join(got) == b"x" * (log_pipe.LINE_LIMIT * 2 + 10)
+    assert all(len(part) <= log_pipe.LINE_LIMIT * 2 for part in got)
+    assert len(got) >= 2  # cut on the way, not held until the end
+
+
+def test_child_process_keeps_lines_and_wakes_a_reader_once_per_batch() -> None:
+    async def run() -> tuple[list[str], int, int]:
+        child = ChildProcess("writer", [sys.executable, "-c", WRITER, "50", "0.001"], {})
+        await child.spawn()
+        wakes = 0
+
+        async def follow() -> None:
+            nonlocal wakes
+            while True:
+                await child.logs.wait(None)
+                wakes += 1
+
+        follower = asyncio.create_task(follow())
+        code = await asyncio.wait_for(child.wait(), 30)
+        follower.cancel()
+        return list(child.logs), wakes, code
+
+    lines, wakes, code = uvloop.run(run())
+    assert code == 0
+    assert lines == [f"line {i}" for i in range(50)] + ["the end, unterminated"]
+    assert 1 <= wakes < 51
