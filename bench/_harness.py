@@ -54,6 +54,14 @@ def spread(values: list[float], fmt: str = "{:+.3f}") -> str:
             f"(rounds {fmt.format(min(values))} … {fmt.format(max(values))})")
 
 
+def pin_to_cpus(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (sched_setaffinity on a pid moves its main thread only) onto
+    `cpus`; threads started later inherit it from the thread that starts them."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cpus)
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """CPU time these processes (all their threads) have run so far, 0 for any that is gone.
     Read from /proc/PID/task/*/schedstat (nanoseconds) where there is one: psutil's

@@ -10,7 +10,12 @@ Paths alternate by round, in rotating order. Targets (issue 27):
     corral TTFT p50 - direct TTFT p50 <= 5 ms
 
     python bench/concurrent_streams.py [--requests 96] [--concurrency 16] [--tokens 128]
-                                       [--rounds 4]
+                                       [--rounds 4] [--proxy-core]
+
+--proxy-core: the proxies (corral, nginx) on the last CPU, the client and the child on the
+others. On a 2-core box the proxy otherwise takes its CPU from the child and the client, and
+even nginx stays under 0.95 of direct; on a GPU box the child computes on the GPU and the relay
+has a core to itself. This shows whether the relay keeps up when it has that core.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import statistics
 import tempfile
 import time
@@ -25,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 from _harness import (
     NGINX_MISSING,
@@ -32,6 +39,7 @@ from _harness import (
     cpu_seconds,
     machine_note,
     percentile,
+    pin_to_cpus,
     spread,
     stream_arrivals,
     three_paths,
@@ -120,17 +128,36 @@ async def measure(urls: dict[str, Endpoint], pids: dict[str, list[int]], n: int,
     return rates, ttft, gaps, {k: v * 1e6 / events for k, v in cpu.items()}
 
 
+def _give_proxies_a_core(urls: dict[str, Endpoint], pids: dict[str, list[int]]) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--proxy-core needs 2 CPUs or more")
+    proxy_cpu, rest = {cpus[-1]}, set(cpus[:-1])
+    child = httpx.get(urls["corral"].url + "/admin/models", timeout=10).json()["models"][0]
+    for pid in [os.getpid(), child["pid"]]:
+        pin_to_cpus(pid, rest)
+    for proxy_pids in pids.values():
+        for pid in proxy_pids:
+            pin_to_cpus(pid, proxy_cpu)
+    print(f"proxies on CPU {cpus[-1]}, the client and the child (pid {child['pid']}) on CPUs "
+          f"{', '.join(map(str, sorted(rest)))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=96, help="per path and round")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--proxy-core", action="store_true",
+                        help="the proxies on the last CPU, the client and the child on the rest")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
         with three_paths(model, args.concurrency, ctx=4096 * 4,
                          defaults={"max_queue": 1024}) as (urls, pids):
+            if args.proxy_core:
+                _give_proxies_a_core(urls, pids)
             rates, ttft, gaps, cpu = asyncio.run(
                 measure(urls, pids, args.requests, args.concurrency, args.tokens, args.rounds))
             print(f"machine: {machine_note()}")
