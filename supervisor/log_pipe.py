@@ -50,6 +50,9 @@ class LineReader(asyncio.Protocol):
         self._pending = b""
         self._transport: asyncio.ReadTransport | None = None
         self._resume: asyncio.TimerHandle | None = None
+        # Off until the child serves (batch()): while it loads its lines are read as they
+        # come, for `corral logs -f` and for why a start failed.
+        self._batching = False
         self.done: asyncio.Future[None] = loop.create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -64,9 +67,22 @@ class LineReader(asyncio.Protocol):
         if lines:
             self._keep(lines)
         transport = self._transport
-        if transport is not None and self._resume is None and not transport.is_closing():
+        if (self._batching and transport is not None and self._resume is None
+                and not transport.is_closing()):
             transport.pause_reading()
             self._resume = self._loop.call_later(self._batch_s, self._read_again)
+
+    def batch(self) -> None:
+        """From now on, a read at most every batch_s."""
+        self._batching = True
+
+    def read_to_end(self) -> None:
+        """No more pauses: the child has exited, and what it wrote last is wanted now (why it
+        failed), not a batch later."""
+        self._batching = False
+        if self._resume is not None:
+            self._resume.cancel()
+            self._read_again()
 
     def _read_again(self) -> None:
         self._resume = None
@@ -88,11 +104,9 @@ class LineReader(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def read_lines(read_end: int, keep: Callable[[list[bytes]], None],
-                     batch_s: float = BATCH_S) -> None:
-    """Read `read_end` (which this takes over and closes) until end of file, batch by batch."""
+async def read_lines(reader: LineReader, read_end: int) -> None:
+    """Feed `reader` from `read_end` (which this takes over and closes) until end of file."""
     loop = asyncio.get_running_loop()
-    reader = LineReader(keep, batch_s)
     transport, _ = await loop.connect_read_pipe(lambda: reader,
                                                 os.fdopen(read_end, "rb", buffering=0))
     try:

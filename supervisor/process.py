@@ -178,6 +178,7 @@ class ChildProcess:
         self.started_at: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._output: log_pipe.LineReader | None = None
         # How long a stop waits for the exit after SIGKILL before it gives up on the child.
         self.kill_wait = KILL_WAIT_S
         self._log = structlog.get_logger("corral.child").bind(model=name)
@@ -232,7 +233,8 @@ class ChildProcess:
         self._log.info("child.spawned", argv=self.argv)
         # Read in batches (supervisor/log_pipe.py): a busy llama-server logs ten lines a
         # request, and a wake-up per write was on every relayed request's bill.
-        self._reader = asyncio.create_task(log_pipe.read_lines(read_end, self._keep),
+        self._output = log_pipe.LineReader(self._keep)
+        self._reader = asyncio.create_task(log_pipe.read_lines(self._output, read_end),
                                            name=f"logs:{self.name}")
         return self._proc.pid
 
@@ -252,11 +254,17 @@ class ChildProcess:
     async def wait(self) -> int:
         assert self._proc
         code = await self._proc.wait()
+        await self._last_lines()
+        return code
+
+    async def _last_lines(self) -> None:
+        """The output the child wrote before it exited, read now (not a batch later)."""
+        if self._output is not None:
+            self._output.read_to_end()
         if self._reader:
             # The pipe closes with the process (or its last holder); bounded anyway.
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(self._reader), 2)
-        return code
 
     async def wait_healthy(self, ready: Callable[[float], Awaitable[bool]],
                            timeout: float) -> None:
@@ -279,8 +287,11 @@ class ChildProcess:
                 if exit_task.done():
                     probe.cancel()
                     self.sweep_group()
+                    await self._last_lines()  # they say why (a port taken, a bad file)
                     raise self._exited_error()
                 if probe.result():
+                    if self._output is not None:
+                        self._output.batch()  # serving now: its output read in batches
                     return
                 await asyncio.wait([exit_task], timeout=min(delay, max(remaining, 0.001)))
                 delay = min(delay * 1.5, 0.25)

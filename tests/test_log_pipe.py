@@ -34,7 +34,9 @@ async def _read_child(n: int, pause: float) -> tuple[list[list[bytes]], float]:
     batches: list[list[bytes]] = []
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await asyncio.wait_for(log_pipe.read_lines(read_end, batches.append), 60)
+    reader = log_pipe.LineReader(batches.append)
+    reader.batch()
+    await asyncio.wait_for(log_pipe.read_lines(reader, read_end), 60)
     elapsed = loop.time() - started
     assert child.wait(10) == 0
     return batches, elapsed
@@ -61,7 +63,9 @@ def test_a_chatty_child_is_not_blocked_by_the_pause() -> None:
         import os
         os.close(write_end)
         got: list[bytes] = []
-        await asyncio.wait_for(log_pipe.read_lines(read_end, got.extend), 60)
+        reader = log_pipe.LineReader(got.extend)
+        reader.batch()
+        await asyncio.wait_for(log_pipe.read_lines(reader, read_end), 60)
         assert child.wait(10) == 0
         return got
 
@@ -78,7 +82,9 @@ def test_a_line_past_the_limit_is_cut_not_buffered_forever() -> None:
         import os
         os.close(write_end)
         got: list[bytes] = []
-        await asyncio.wait_for(log_pipe.read_lines(read_end, got.extend), 60)
+        reader = log_pipe.LineReader(got.extend)
+        reader.batch()
+        await asyncio.wait_for(log_pipe.read_lines(reader, read_end), 60)
         assert child.wait(10) == 0
         return got
 
@@ -88,10 +94,15 @@ def test_a_line_past_the_limit_is_cut_not_buffered_forever() -> None:
     assert len(got) >= 2  # cut on the way, not held until the end
 
 
-def test_child_process_keeps_lines_and_wakes_a_reader_once_per_batch() -> None:
+def test_a_serving_child_keeps_lines_and_wakes_a_reader_once_per_batch() -> None:
     async def run() -> tuple[list[str], int, int]:
         child = ChildProcess("writer", [sys.executable, "-c", WRITER, "50", "0.001"], {})
         await child.spawn()
+
+        async def ready(_: float) -> bool:
+            return True
+
+        await child.wait_healthy(ready, 10)  # serving: its output is read in batches now
         wakes = 0
 
         async def follow() -> None:
