@@ -43,28 +43,26 @@ class Accounting:
                                      if v is not None and k != "time"})
         self.daemon.events.publish("request", history=False, **summary)
 
-    def middleware(self) -> Any:
-        @web.middleware
-        async def account(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.method != "POST" or not request.path.startswith("/v1/"):
-                return await handler(request)
-            record = RequestRecord(UNKNOWN_MODEL, _endpoint(request))
-            request[RECORD] = record
-            try:
-                response = await handler(request)
-            except asyncio.CancelledError:
-                self.finish(record, CLIENT_GONE)
-                raise
-            except web.HTTPException as exc:
-                self.finish(record, exc.status)
-                raise
-            except BaseException:
-                self.finish(record, 500)
-                raise
-            self.finish(record, response.status)
-            return response
-
-        return account
+    async def account(self, request: web.Request,
+                      answer: Callable[[web.Request, Handler], Awaitable[web.StreamResponse]],
+                      handler: Handler) -> web.StreamResponse:
+        """`answer(request, handler)`, accounted for once however it ends (a model request:
+        POST /v1/...)."""
+        record = RequestRecord(UNKNOWN_MODEL, _endpoint(request))
+        request[RECORD] = record
+        try:
+            response = await answer(request, handler)
+        except asyncio.CancelledError:
+            self.finish(record, CLIENT_GONE)
+            raise
+        except web.HTTPException as exc:
+            self.finish(record, exc.status)
+            raise
+        except BaseException:
+            self.finish(record, 500)
+            raise
+        self.finish(record, response.status)
+        return response
 
     def recent_requests(self, limit: int) -> list[dict[str, Any]]:
         return [r.as_dict() for r in list(self.recent)[-limit:]]

@@ -206,7 +206,7 @@ class ChildResponse:
             if self._error is not None and not self.status:
                 raise self._error
             return
-        self._head_waiter = asyncio.get_running_loop().create_future()
+        self._head_waiter = self._loop.create_future()
         try:
             await _wait(self._head_waiter, timeout, "before its response head")
         finally:

@@ -105,7 +105,9 @@ class Slots:
 
     async def pin(self, lease: Lease, url: str, body: Any,
                   parsed: dict[str, Any] | None = None) -> Any:
-        path = urlsplit(url).path
+        # The relay's URL is this child's base and a path: split only what is not.
+        rest = url[len(self._base):]
+        path = rest if url.startswith(self._base) and rest[:1] == "/" else urlsplit(url).path
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
         if len(self.records) == 1:
