@@ -187,17 +187,19 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     stream = client.chat.completions.create(
         model="tinyv", messages=HI, max_tokens=2000, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
-    got: list[str] = []
     chunks = [0]
     failure: list[BaseException] = []
     first = threading.Event()
 
     def read() -> None:
         try:
-            for chunk in stream:
+            for _chunk in stream:
                 chunks[0] += 1
-                if chunk.choices and chunk.choices[0].delta.content:
-                    got.append(chunk.choices[0].delta.content)
+                if chunks[0] >= 2:
+                    # A generated token came (the first event carries the role only), be its
+                    # text empty or not: the tiny model's first pieces may be partial UTF-8
+                    # that vLLM holds back, and waiting for visible text once let the whole
+                    # stream arrive before the kill.
                     first.set()
         except Exception as exc:  # what the SDK raises is the point of the test
             failure.append(exc)
@@ -206,7 +208,7 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert first.wait(60) and got, "the stream sent no tokens"
+    assert first.wait(60) and chunks[0] >= 2, "the stream sent no tokens"
     os.kill(pid, signal.SIGKILL)
     reader.join(60)
     assert not reader.is_alive(), "the stream hung after the child was killed"
