@@ -25,11 +25,11 @@ sys.stdout.write("the end, unterminated"); sys.stdout.flush()
 """
 
 
-async def _read_child(n: int, pause: float) -> tuple[list[list[bytes]], float]:
+async def _read_child(*argv: str) -> tuple[list[list[bytes]], float]:
+    """Runs `python argv...` with its stdout on a batching reader's pipe: the batches the
+    reader handed on, and how long reading took."""
     read_end, write_end = log_pipe.open_pipe()
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(n), str(pause)],
-                             stdout=write_end)
-
+    child = subprocess.Popen([sys.executable, *argv], stdout=write_end)
     os.close(write_end)
     batches: list[list[bytes]] = []
     loop = asyncio.get_running_loop()
@@ -42,10 +42,14 @@ async def _read_child(n: int, pause: float) -> tuple[list[list[bytes]], float]:
     return batches, elapsed
 
 
+def _lines(batches: list[list[bytes]]) -> list[bytes]:
+    return [line for batch in batches for line in batch]
+
+
 def test_every_line_in_order_in_few_batches() -> None:
-    batches, elapsed = uvloop.run(_read_child(400, 0.001))
-    lines = [line for batch in batches for line in batch]
-    assert lines == [f"line {i}".encode() for i in range(400)] + [b"the end, unterminated"]
+    batches, elapsed = uvloop.run(_read_child("-c", WRITER, "400", "0.001"))
+    assert _lines(batches) == [f"line {i}".encode() for i in range(400)] + [
+        b"the end, unterminated"]
     # One batch per BATCH_S at most while the child writes (plus the first and the last):
     # read as they came, 400 writes would have been ~400 batches.
     most = elapsed / log_pipe.BATCH_S + 3
@@ -56,40 +60,16 @@ def test_every_line_in_order_in_few_batches() -> None:
 def test_a_chatty_child_is_not_blocked_by_the_pause() -> None:
     # 4 MB in one go: more than the pipe holds (1 MiB, or 64 KiB where the kernel refuses):
     # the child blocks only until the next batch, and nothing is lost.
-    async def run() -> list[bytes]:
-        read_end, write_end = log_pipe.open_pipe()
-        code = "import sys\nfor i in range(200000): sys.stdout.write(f'{i:019d}\\n')\n"
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=write_end)
-        import os
-        os.close(write_end)
-        got: list[bytes] = []
-        reader = log_pipe.LineReader(got.extend)
-        reader.batch()
-        await asyncio.wait_for(log_pipe.read_lines(reader, read_end), 60)
-        assert child.wait(10) == 0
-        return got
-
-    got = uvloop.run(run())
+    code = "import sys\nfor i in range(200000): sys.stdout.write(f'{i:019d}\\n')\n"
+    got = _lines(uvloop.run(_read_child("-c", code))[0])
     assert len(got) == 200000 and got[-1] == b"%019d" % 199999 and got[123] == b"%019d" % 123
 
 
 def test_a_line_past_the_limit_is_cut_not_buffered_forever() -> None:
-    async def run() -> list[bytes]:
-        read_end, write_end = log_pipe.open_pipe()
-        size = log_pipe.LINE_LIMIT * 2 + 10
-        code = f"import sys\nsys.stdout.write('x' * {size})\nsys.stdout.flush()\n"
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=write_end)
-        import os
-        os.close(write_end)
-        got: list[bytes] = []
-        reader = log_pipe.LineReader(got.extend)
-        reader.batch()
-        await asyncio.wait_for(log_pipe.read_lines(reader, read_end), 60)
-        assert child.wait(10) == 0
-        return got
-
-    got = uvloop.run(run())
-    assert b"".join(got) == b"x" * (log_pipe.LINE_LIMIT * 2 + 10)
+    size = log_pipe.LINE_LIMIT * 2 + 10
+    code = f"import sys\nsys.stdout.write('x' * {size})\nsys.stdout.flush()\n"
+    got = _lines(uvloop.run(_read_child("-c", code))[0])
+    assert b"".join(got) == b"x" * size
     assert all(len(part) <= log_pipe.LINE_LIMIT * 2 for part in got)
     assert len(got) >= 2  # cut on the way, not held until the end
 
