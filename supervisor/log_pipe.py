@@ -42,11 +42,10 @@ class LineReader(asyncio.Protocol):
     """Splits what the pipe delivers into lines for `keep` (one call per batch: a list of raw
     lines, without their newlines); `done` resolves at end of file."""
 
-    def __init__(self, keep: Callable[[list[bytes]], None], batch_s: float = BATCH_S) -> None:
+    def __init__(self, keep: Callable[[list[bytes]], None]) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._keep = keep
-        self._batch_s = batch_s
         self._pending = b""
         self._transport: asyncio.ReadTransport | None = None
         self._resume: asyncio.TimerHandle | None = None
@@ -70,10 +69,10 @@ class LineReader(asyncio.Protocol):
         if (self._batching and transport is not None and self._resume is None
                 and not transport.is_closing()):
             transport.pause_reading()
-            self._resume = self._loop.call_later(self._batch_s, self._read_again)
+            self._resume = self._loop.call_later(BATCH_S, self._read_again)
 
     def batch(self) -> None:
-        """From now on, a read at most every batch_s."""
+        """From now on, a read at most every BATCH_S."""
         self._batching = True
 
     def read_to_end(self) -> None:
