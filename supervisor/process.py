@@ -262,9 +262,10 @@ class ChildProcess:
         if self._output is not None:
             self._output.read_to_end()
         if self._reader:
-            # The pipe closes with the process (or its last holder); bounded anyway.
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._reader), 2)
+            # The pipe closes with the process (or its last holder); bounded anyway. wait()
+            # neither cancels the reader at the bound nor swallows the caller's cancellation
+            # (a stop during a start must stay a stop).
+            await asyncio.wait({self._reader}, timeout=2)
 
     async def wait_healthy(self, ready: Callable[[float], Awaitable[bool]],
                            timeout: float) -> None:
@@ -276,6 +277,7 @@ class ChildProcess:
         deadline = loop.time() + timeout
         delay = 0.01
         exit_task = asyncio.ensure_future(self._proc.wait())
+        probe: asyncio.Future[bool] | None = None
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -298,6 +300,8 @@ class ChildProcess:
         finally:
             if not exit_task.done():
                 exit_task.cancel()
+            if probe is not None and not probe.done():
+                probe.cancel()  # cancelled mid-wait: no health request left running
 
     def _exited_error(self) -> ChildExited:
         code = self.returncode
