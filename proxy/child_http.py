@@ -422,11 +422,12 @@ class _Connection(asyncio.Protocol):
             return True
         return False
 
-    async def send(self, data: bytes, first_byte_timeout: float | None,
+    async def send(self, head: bytes, body: bytes, first_byte_timeout: float | None,
                    idle_timeout: float | None) -> ChildResponse:
         assert self.transport is not None
         response = self.response = ChildResponse(self, idle_timeout)
-        self.transport.write(data)
+        # Head and body as they are (one writev): a body of the client's size is not copied.
+        self.transport.writelines((head, body))
         try:
             await response._head(first_byte_timeout)
         except BaseException:
@@ -465,11 +466,11 @@ class ChildPool:
                    idle_timeout: float | None = None) -> ChildResponse:
         """POST `body` to base_url + path; the answer once its head is in."""
         where = target(base_url)
-        data = _head(where, path, headers, len(body)) + body
+        head = _head(where, path, headers, len(body))
         conn = self._take(where)
         if conn is None:
             conn = await self._connect(where)
-        return await conn.send(data, first_byte_timeout, idle_timeout)
+        return await conn.send(head, body, first_byte_timeout, idle_timeout)
 
     def _take(self, where: Target) -> _Connection | None:
         idle = self._idle.get(where.key)
