@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from corral.proxy.capabilities import NEEDS
+from corral.proxy.capabilities import POSTED
 from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.port import Supervisor
@@ -68,10 +68,8 @@ class Accounting:
         return [r.as_dict() for r in list(self.recent)[-limit:]]
 
 
-# Endpoints named in metrics; any other path a client sends counts as "other": a made-up path
-# never becomes a label.
-_ENDPOINTS = frozenset({*NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
+# Any other path a client sends counts as "other": a made-up path never becomes a label.
 
 
 def _endpoint(request: web.Request) -> str:
-    return request.path if request.path in _ENDPOINTS else "other"
+    return request.path if request.path in POSTED else "other"

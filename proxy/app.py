@@ -54,8 +54,6 @@ UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.Cli
 CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
-# Whether the request carries an admin key (or no keys are configured): groups not exposed
-# as models are the operator's.
 # Whether the response's head went out (a stream began): no second response after that.
 STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 
@@ -244,7 +242,7 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
         if not allowed(request, keys):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")
-        request[ADMIN] = allowed(request, admin_only)
+        request[ADMIN] = keys is admin_only or allowed(request, admin_only)
         return None
 
     return refused
@@ -262,13 +260,10 @@ async def health(request: web.Request) -> web.Response:
     }, status=503 if daemon.closing else 200)
 
 
-# The OpenAI paths that answer POST (and only POST): another method on them is a client's
-# mistake to name, not a path that is not there.
-_POSTED = frozenset({*capabilities.NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
 
 
 async def _not_posted(request: web.Request) -> web.StreamResponse:
-    if request.path in _POSTED:
+    if request.path in capabilities.POSTED:
         return method_not_allowed(request.method, request.path, "POST")
     raise web.HTTPNotFound()
 
@@ -373,7 +368,7 @@ async def _relay_after_progress(request: web.Request, model: str,
         log.exception("proxy.unhandled", method=request.method, path=request.path)
         record.error_status = 500
         return await stream.fail("internal error in corral", "internal_error")
-    return await client_io.send(request, response, model)
+    return await client_io.send(request, _documented(response, model), model)
 
 
 def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:

@@ -21,6 +21,9 @@ NEEDS: dict[str, str] = {
     "/v1/rerank": "rerank",
     "/v1/reranking": "rerank",
 }
+# The OpenAI paths corral answers POST on: the models' and its own groups'. Another method on
+# one is a client's mistake to name (405), and only these are metrics labels.
+POSTED = frozenset({*NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
 # Content parts that carry an image, in the chat, Responses and Messages shapes.
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 
