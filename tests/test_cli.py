@@ -238,6 +238,26 @@ def test_logs_prints_the_child_log_tail(corral: Corral) -> None:
     assert logs.stdout.splitlines() == expected and len(expected) == 5
 
 
+def test_logs_follow_asking_for_more_than_the_ring_holds_misses_nothing(
+        corral: Corral, follow) -> None:
+    assert cli(corral, "load", "tiny-a").returncode == 0
+
+    def ring_full() -> bool:
+        corral.chat("tiny-a", max_tokens=1)  # ~10 lines of llama-server's a request
+        tail = corral.http.get("/admin/models/tiny-a/logs", params={"lines": 400}).json()
+        return len(tail["lines"]) == 400
+
+    wait_until(ring_full, timeout=120)
+    for _ in range(5):  # past the ring's 400: its first lines fell off
+        corral.chat("tiny-a", max_tokens=1)
+    follower = follow("tiny-a", "-n", "1000")
+    wait_until(lambda: len(follower.out) >= 400, timeout=30)
+    # All it holds, and no word of lines lost: more was asked than kept, nothing came and went.
+    assert not any("came and went" in line for line in follower.err), follower.err
+    follower.proc.send_signal(signal.SIGINT)
+    assert follower.wait() == 130
+
+
 def test_logs_follow_prints_lines_as_a_new_child_writes_them(corral: Corral, follow) -> None:
     cli(corral, "stop", "tiny-b")
     follower = follow("tiny-b", "-n", "0")

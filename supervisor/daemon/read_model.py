@@ -13,6 +13,7 @@ from corral.supervisor.instance import Instance, State
 from corral.supervisor.inventory import cached_facts, read_facts
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
+from corral.supervisor.memory.tracker import mib_map
 from corral.supervisor.memory.view import MIB
 from corral.supervisor.port import ModelStatus
 from corral.supervisor.rpc.plan import layer_need
@@ -39,7 +40,7 @@ def _admin_view(self: Daemon, inst: Instance, now: float) -> dict[str, Any]:
     # What its child holds per device (measured, the estimate until measured): the memory
     # tracker's, which the instance does not know.
     return {**inst.describe(now),
-            "memory_mib": {d: round(b / MIB, 1) for d, b in sorted(self._footprint(inst).items())}}
+            "memory_mib": mib_map(self._footprint(inst))}
 
 def child_logs(self: Daemon, key: str, lines: int) -> dict[str, Any]:
     """The last `lines` lines a model's child (or one replica's, "<model>#<n>") wrote."""
@@ -61,7 +62,8 @@ async def _follow(self: Daemon, inst: Instance, lines: int,
                   idle: float) -> AsyncGenerator[dict[str, Any], None]:
     loop = asyncio.get_running_loop()
     process = inst.process
-    cursor = max(0, process.logs.written - lines) if process is not None else 0
+    # No further back than the ring holds: asking for more than it keeps is no line missed.
+    cursor = process.logs.written - min(lines, len(process.logs)) if process is not None else 0
     last_sent: float | None = None
     while True:
         # A reload may have replaced it (a new spec: its successor is followed) or removed it.

@@ -348,12 +348,12 @@ class MemoryTracker:
         error = (round(100.0 * (est_on - measured_total) / measured_total, 1)
                  if est_on and measured_total else None)
         return {
-            "estimate_mib": _mib_map(est.devices) if est else None,
+            "estimate_mib": mib_map(est.devices) if est else None,
             "estimate_source": est.source if est else None,
             "estimate_breakdown_mib": {k: round(v / MIB, 1) for k, v in (
                 ("weights", est.weights), ("kv", est.kv), ("compute", est.compute),
                 ("overhead", est.overhead))} if est else None,
-            "measured_mib": _mib_map(measured) if measured else None,
+            "measured_mib": mib_map(measured) if measured else None,
             "error_pct": error,
             "llama_log_mib": {d: {k: round(v / MIB, 2) for k, v in parts.items()}
                               for d, parts in record.log_breakdown.items()} or None,
@@ -372,7 +372,7 @@ def _kv_of(spec: ModelSpec) -> KvTypes:
     return (spec.cache_type_k, spec.cache_type_v)
 
 
-def _mib_map(values: Mapping[str, int]) -> dict[str, float]:
+def mib_map(values: Mapping[str, int]) -> dict[str, float]:
     return {d: round(v / MIB, 1) for d, v in sorted(values.items())}
 
 
