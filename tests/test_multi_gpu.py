@@ -167,6 +167,15 @@ def test_a_vllm_model_gets_exactly_its_parallel_size_of_gpus() -> None:
     assert placed(s, "v") == GpuChoice(("gpu0", "gpu2"))
 
 
+def test_a_vllm_model_past_the_watermark_still_gets_its_whole_parallel_size() -> None:
+    # Only gpu1 is below the critical watermark (95% of 24000 = 22800): one GPU for a model
+    # that needs two would be a child that cannot start. It gets two, and the placement
+    # says whether they hold it.
+    others = {"gpu0": 23000, "gpu1": 1000, "gpu2": 23500}
+    choice = placed(snap([view("v", gpu_count=2)], others), "v")
+    assert choice is not None and len(choice.gpus) == 2 and "gpu1" in choice.gpus
+
+
 def test_models_loaded_together_are_placed_one_after_another() -> None:
     # Room 3800 on each GPU; a and c take 3500 each on one GPU: one on each fits. Spread
     # over both GPUs each would take 500 + 1500 on each, 4000 a GPU for the two: too much.

@@ -80,7 +80,11 @@ def choose_gpus(mem: MemoryView, allowed: Sequence[str], count: int,
     # A GPU past the critical watermark takes no new load while another can (a restart
     # at another KV step frees memory: it may).
     usable = [g for g in gpus if restarting
-              or mem.devices[g].used_pct < mem.critical_watermark] or gpus
+              or mem.devices[g].used_pct < mem.critical_watermark]
+    if len(usable) < max(count, 1):
+        # Too few below the watermark for what the runtime needs (vLLM's parallel size):
+        # all of them rather than a choice that cannot start.
+        usable = gpus
     sizes = [count] if count else list(range(1, len(usable) + 1))
     for rooms in tiers:
         for k in sizes:
