@@ -464,7 +464,8 @@ class GroupRunner:
         except (SupervisorError, UpstreamFailed, KeyError, TypeError, ValueError) as exc:
             raise GroupFailed(f"group {group.name!r}: embeddings model {model} failed: "
                               f"{exc}", outcome, "vote_failed") from exc
-        if len(vectors) != len(texts) or any(not v for v in vectors):
+        if len(vectors) != len(texts) or any(not v for v in vectors) \
+                or len({len(v) for v in vectors}) > 1:
             raise GroupFailed(f"group {group.name!r}: embeddings model {model} answered "
                               f"{len(vectors)} vectors for {len(texts)} answers",
                               outcome, "vote_failed")

@@ -139,10 +139,12 @@ class History:
         return {
             "step": self.step, "minutes": minutes, "now": round(now, 2),
             "times": [t for t in self.times if t > start],
-            "devices": [{"name": name, "kind": kind, "samples": recent(ring)}
-                        for name, (kind, ring) in self.devices.items() if recent(ring)],
-            "models": [{"name": name, "samples": recent(ring)}
-                       for name, ring in sorted(self.models.items()) if recent(ring)],
+            "devices": [{"name": name, "kind": kind, "samples": samples}
+                        for name, (kind, ring) in self.devices.items()
+                        if (samples := recent(ring))],
+            "models": [{"name": name, "samples": samples}
+                       for name, ring in sorted(self.models.items())
+                       if (samples := recent(ring))],
             "marks": recent(self.marks),
         }
 

@@ -68,7 +68,8 @@ def extract(rule: VoteSpec, text: str) -> str | None:
 _LEAD = re.compile(r"^\s*(?:(?:[-*+\u2022]|\d+[.)])\s+)?[*_#>\s]*")
 # A sentence ends at . ! ? (or a run of them, closing marks after) followed by a space:
 # "3.5" and "e.g.," go on.
-_END = re.compile(r"[.!?\u2026]+[*_\"')\]\u201d]*(?=\s|$)")
+_END = re.compile(r"[.!?\u2026]++[*_\"')\]\u201d]*+(?=\s|$)")
+_SENTENCE_MAX = 2000
 
 
 def first_sentence(text: str) -> str | None:
@@ -78,7 +79,9 @@ def first_sentence(text: str) -> str | None:
     line = next((line for line in text.splitlines() if line.strip()), None)
     if line is None:
         return None
-    line = _LEAD.sub("", line)
+    # A sentence worth a vote is short; the bound keeps the search linear in what a member
+    # (steered by a client's prompt) can write: a long run of dots is quadratic for _END.
+    line = _LEAD.sub("", line[:_SENTENCE_MAX])
     end = _END.search(line)
     return (line[:end.start()] if end else line).strip().rstrip("*_").strip() or None
 
