@@ -88,8 +88,8 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
 
     async def rebalance(request: web.Request) -> web.Response:
         daemon = request.app[key]
-        # The daemon's task: a client that hangs up does not leave the model stopped.
-        status = await asyncio.shield(daemon.rebalance(request.match_info["name"]))
+        # The daemon runs it as its own task: a client that hangs up only stops waiting.
+        status = await daemon.rebalance(request.match_info["name"])
         return web.json_response(daemon.describe_one(status.name))
 
     async def gguf(request: web.Request) -> web.Response:

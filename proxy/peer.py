@@ -3,7 +3,6 @@ machine has free, and rpc-servers on loan, each kept alive by the head's renewal
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -38,9 +37,9 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
                       "model")
         lender = lender_of(request)
         try:
-            # The loan is the lender's: a head that hangs up mid-start does not leave an
-            # rpc-server nobody knows about (the lease ends it).
-            loan, version = await asyncio.shield(lender.lend(model))
+            # The loan is the lender's task: a head that hangs up mid-start does not leave
+            # an rpc-server nobody knows about (the lease ends it).
+            loan, version = await lender.lend(model)
         except TooManyLoans as exc:
             return error_response(429, str(exc), kind="rate_limit_error", code="too_many_loans")
         except RpcError as exc:
@@ -59,7 +58,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
 
     async def end(request: web.Request) -> web.Response:
         lender = lender_of(request)
-        ended = await asyncio.shield(lender.end(request.match_info["id"], "the head released it"))
+        ended = await lender.end(request.match_info["id"], "the head released it")
         if not ended:
             return error_response(404, "no such rpc-server", code="not_found")
         return web.json_response({"ok": True})

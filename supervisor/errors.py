@@ -54,8 +54,11 @@ class StartFailed(SupervisorError):
     log lines, for operators (daemon log, admin API): they stay out of the message, which
     clients see."""
 
-    def __init__(self, message: str, tail: list[str] | None = None):
+    def __init__(self, message: str, tail: list[str] | None = None,
+                 for_operators: str | None = None):
         self.tail = tail or []
+        # The whole story (a worker's output, a peer's answer): the admin view's last_error.
+        self.for_operators = for_operators
         super().__init__(_without_log_lines(message, self.tail))
 
 

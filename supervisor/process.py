@@ -181,6 +181,9 @@ class ChildProcess:
         self._output: log_pipe.LineReader | None = None
         # How long a stop waits for the exit after SIGKILL before it gives up on the child.
         self.kill_wait = KILL_WAIT_S
+        # The group was swept after the child was reaped (or found gone, or not ours): it is
+        # never signalled again.
+        self._group_gone = False
         self._log = structlog.get_logger("corral.child").bind(model=name)
 
     @property
@@ -339,12 +342,50 @@ class ChildProcess:
 
     def sweep_group(self) -> None:
         """SIGKILL whatever is left of the child's process group (right after it exited, or at
-        the end of a stop): the group is gone, the keeper need not watch it any more."""
+        the end of a stop): the group is gone, the keeper need not watch it any more. Once the
+        child has been reaped, the group is swept once at most: after that its id is free
+        for the kernel to give to someone else's process."""
+        if self._proc is None:
+            return
+        reaped = self._proc.returncode is not None
         self._signal_group(signal.SIGKILL)
-        if self._keeper is not None and self._proc is not None:
+        if reaped:
+            self._group_gone = True
+        if self._keeper is not None:
             self._keeper.forget(self._proc.pid)
 
     def _signal_group(self, sig: signal.Signals) -> None:
+        """Signal the child's process group, only while it is provably the child's: the child
+        not reaped yet (its pid cannot be reused while it is a zombie), or reaped and swept
+        for the first time with no process holding its pid (then only helpers it forked can
+        still be in the group: while one lives, the kernel gives that id to nobody). Never an
+        error that ends the caller: a stop must always reach STOPPED."""
         assert self._proc
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, sig)
+        if self._group_gone:
+            return
+        pgid = self._proc.pid
+        if self._proc.returncode is not None and _pid_taken(pgid):
+            # The pid belongs to another process now: its group is not ours to signal.
+            self._group_gone = True
+            self._log.info("child.group_reused", signal=sig.name,
+                           note="the child was reaped and its pid is in use again")
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            if self._proc.returncode is not None:
+                self._group_gone = True  # nothing left of it
+        except OSError as exc:  # EPERM: not ours after all
+            self._group_gone = True
+            self._log.error("child.signal_failed", signal=sig.name, error=str(exc))
+
+
+def _pid_taken(pid: int) -> bool:
+    """Whether a process (not a zombie we have reaped: that one is gone) holds `pid` now."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True

@@ -11,7 +11,7 @@ import pytest
 from corral.supervisor.backends.llama_server import LlamaServer
 from corral.supervisor.config import parse_config
 from corral.supervisor.instance import Instance, State
-from corral.supervisor.instance import start as instance_module
+from corral.supervisor.instance import launch as instance_module
 
 
 def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):

@@ -320,7 +320,7 @@ def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
             "listed while half written"
         assert listed - complete < 1.0 + 1.0
         assert fast < 0.8, f"a renamed file waited {fast:.2f} s"
-        reloads = [a for a in daemon._recent_reloads if a.trigger == "models_dir"]
+        reloads = [a for a in daemon.reloader.recent if a.trigger == "models_dir"]
         assert all(a.ok for a in reloads) and len(reloads) == 3, \
             [a.changes for a in reloads]
 

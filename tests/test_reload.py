@@ -209,12 +209,12 @@ def test_a_group_hold_is_given_back_after_a_reload_removed_its_model(tmp_path):
         daemon = Daemon(_loaded(), tmp_path / "children.json",
                         config_loader=lambda: _loaded(models__b=None))
         with daemon.reserve(["alpha", "b"]):
-            b = daemon.instance("b")
+            b = daemon.herd.instance("b")
             assert b.held == 1
             attempt = await daemon.reload("admin")
             assert attempt.ok and attempt.changes and attempt.changes["removed"] == ["b"]
             assert "b" not in daemon.models and daemon.resolve("b") is None
-        assert b.held == 0 and daemon.instance("a").held == 0
+        assert b.held == 0 and daemon.herd.instance("a").held == 0
 
     asyncio.run(scenario())
 

@@ -1,85 +1,107 @@
 """Admin commands: load, unload (drained, or forced), rebalance a split model. An operator's
-command goes through the same door and state machine as a request."""
+command goes through the same door and the same model state machine as a request; an unload
+wins over whatever the model was doing."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import structlog
 
+from corral.supervisor.daemon.door import Door
+from corral.supervisor.daemon.herd import Herd
 from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorError, Unloaded
-from corral.supervisor.port import ModelStatus
-
-if TYPE_CHECKING:
-    from corral.supervisor.daemon.core import Daemon
+from corral.supervisor.model import Model
+from corral.supervisor.tasks import TaskScope
 
 log = structlog.get_logger("corral.daemon")
 
 
-async def load(self: Daemon, name: str) -> ModelStatus:
-    # An operator asking explicitly is the retry a back-off waits for.
-    lease = await self.acquire(name, ignore_backoff=True)
-    lease.release()
-    return self.status(name)
+class Admin:
+    def __init__(self, herd: Herd, door: Door, tasks: TaskScope):
+        self._herd = herd
+        self._door = door
+        self._tasks = tasks  # the daemon's: work a caller may walk away from
 
-async def unload(self: Daemon, name: str, force: bool = False) -> ModelStatus:
-    """Drain (unless forced) and stop; the model ends STOPPED (requests that queued for it
-    are told, not served). The stop belongs to the instance: a caller that hangs up stops
-    waiting, the model still ends STOPPED."""
-    rs = self.replica_set(name)
-    drain = 0.0 if force else self.loaded.config.shutdown_grace
-    reason = "unloaded by admin" + (" (forced)" if force else "")
-    await asyncio.gather(*(r.stop(reason, drain=drain, cause="unload") for r in rs.members))
-    return self.status(name)
+    async def load(self, name: str) -> str:
+        """Up and ready, with every replica its spec starts with; the model's name. A caller
+        that hangs up only stops waiting. An operator asking explicitly is the retry a
+        back-off waits for."""
+        model = self._herd.model(name)
+        await self._tasks.run(self._load(model, ignore_backoff=True), f"load:{model.name}")
+        return model.name
 
-def load_soon(self: Daemon, name: str) -> ModelStatus:
-    """Begin loading `name` as the daemon's own task (the caller does not wait): the
-    shape llama.cpp's router and Open WebUI expect of POST /models/load. A failure shows
-    in the model's state and last_error, and in the log."""
-    rs = self.replica_set(name)  # an unknown name fails now, not in the background
-    self._spawn_task(self._load_quietly(rs.name))
-    return self.status(rs.name)
+    async def _load(self, model: Model, ignore_backoff: bool) -> None:
+        model.want()
+        await self._door.bring_up(model, ignore_backoff)
+        filling = model.fill(model.spec.replicas_min)
+        if filling is not None:
+            await asyncio.shield(filling)
 
-def unload_soon(self: Daemon, name: str, *, admin: bool) -> ModelStatus:
-    """Begin draining and stopping `name` (the stop is the instance's own task). A caller
-    without an admin key may not stop what the operator keeps loaded, nor cut off the
-    requests others have in flight: it may unload an idle model it could load again."""
-    rs = self.replica_set(name)
-    if not admin:
-        if any(r.pinned for r in rs.members):
-            raise NotAllowed(f"{rs.name} is kept loaded by the operator's policy; only an "
-                             f"admin key may unload it")
-        if any(r.busy for r in rs.members):
-            raise InUse(f"{rs.name} is serving requests now; only an admin key may unload "
-                        f"a busy model")
-    drain = self.loaded.config.shutdown_grace
-    for replica in rs.members:
-        replica.begin_stop("unloaded by request", drain=drain, cause="unload")
-    return self.status(rs.name)
+    async def unload(self, name: str, force: bool = False) -> str:
+        """Drain (unless forced) and stop; the model ends STOPPED (requests that queued for
+        it are told, not served) and stays so. The stops belong to the instances: a caller
+        that hangs up stops waiting, the model still ends STOPPED."""
+        model = self._herd.model(name)
+        drain = 0.0 if force else self._herd.drain_seconds()
+        reason = "unloaded by admin" + (" (forced)" if force else "")
+        stops = model.unload(reason, drain)
+        if stops:
+            await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
+        return model.name
 
-async def _load_quietly(self: Daemon, name: str) -> None:
-    # Not an operator's retry (load() ignores the back-off): a client asking again and
-    # again must not restart a broken model in a loop.
-    try:
-        lease = await self.acquire(name)
-        lease.release()
-    except Unloaded as exc:  # an unload asked after this load wins: not a failure
-        log.info("daemon.load_called_off", model=name, reason=str(exc))
-    except SupervisorError as exc:
-        log.warning("daemon.load_failed", model=name, error=str(exc))
+    def load_soon(self, name: str) -> str:
+        """Begin loading `name` as the daemon's own task (the caller does not wait): the
+        shape llama.cpp's router and Open WebUI expect of POST /models/load. A failure shows
+        in the model's state and last_error, and in the log."""
+        model = self._herd.model(name)  # an unknown name fails now, not in the background
+        model.want()
+        self._tasks.spawn(self._load_quietly(model), f"load:{model.name}")
+        return model.name
 
-async def rebalance(self: Daemon, name: str) -> ModelStatus:
-    """Deploy a model split over RPC workers again, over every worker reachable now, with
-    a new split from what each has free: drain, stop, start."""
-    inst = self.instance(name)
-    if not inst.spec.rpc_workers:
-        raise NotServed(f"{name} is not split over RPC workers: nothing to rebalance")
-    await inst.stop("rebalance", drain=self.loaded.config.shutdown_grace, cause="rebalance")
-    return await self.load(name)
+    def unload_soon(self, name: str, *, admin: bool) -> str:
+        """Begin draining and stopping `name` (the stops are the instances' own tasks). A
+        caller without an admin key may not stop what the operator keeps loaded, nor cut
+        off the requests others have in flight: it may unload an idle model it could load
+        again."""
+        model = self._herd.model(name)
+        if not admin:
+            if any(r.pinned for r in model.members):
+                raise NotAllowed(f"{model.name} is kept loaded by the operator's policy; only "
+                                 f"an admin key may unload it")
+            if any(r.busy for r in model.members):
+                raise InUse(f"{model.name} is serving requests now; only an admin key may "
+                            f"unload a busy model")
+        model.unload("unloaded by request", self._herd.drain_seconds())
+        return model.name
 
-async def _rebalance_quietly(self: Daemon, name: str) -> None:
-    try:
-        await self.rebalance(name)
-    except SupervisorError as exc:  # the next request tries again
-        log.warning("daemon.rebalance_failed", model=name, error=str(exc))
+    async def _load_quietly(self, model: Model) -> None:
+        # Not an operator's retry (load() ignores the back-off): a client asking again and
+        # again must not restart a broken model in a loop.
+        try:
+            await self._load(model, ignore_backoff=False)
+        except Unloaded as exc:  # an unload asked after this load wins: not a failure
+            log.info("daemon.load_called_off", model=model.name, reason=str(exc))
+        except SupervisorError as exc:
+            log.warning("daemon.load_failed", model=model.name, error=str(exc))
+
+    async def rebalance(self, name: str) -> str:
+        """Deploy a model split over RPC workers again, over every worker reachable now, with
+        a new split from what each has free: drain, stop, start. The daemon's task: a client
+        that hangs up does not leave the model stopped."""
+        model = self._herd.model(name)
+        if not model.spec.rpc_workers:
+            raise NotServed(f"{name} is not split over RPC workers: nothing to rebalance")
+        await self._tasks.run(self._rebalance(model), f"rebalance:{model.name}")
+        return model.name
+
+    async def _rebalance(self, model: Model) -> None:
+        await model.primary.stop("rebalance", drain=self._herd.drain_seconds(),
+                                 cause="rebalance")
+        await self._load(model, ignore_backoff=True)
+
+    async def rebalance_quietly(self, name: str) -> None:
+        try:
+            await self.rebalance(name)
+        except SupervisorError as exc:  # the next request tries again
+            log.warning("daemon.rebalance_failed", model=name, error=str(exc))

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
+from corral.supervisor.daemon.herd import Herd
+from corral.supervisor.daemon.planner import Planner
 from corral.supervisor.errors import NoCapacity, NotServed
 from corral.supervisor.instance import LOADED_STATES, Instance
-
-if TYPE_CHECKING:
-    from corral.supervisor.daemon.core import Daemon
 
 
 class Hold:
@@ -57,44 +55,53 @@ class Hold:
             inst.hold()
 
 
-@contextlib.contextmanager
-def reserve(self: Daemon, names: Iterable[str]) -> Iterator[Hold]:
-    """Hold models that will be acquired together (a group's members). All or none,
-    decided at once: when what is held already (by other groups) plus these plus the
-    pinned models cannot be loaded together, NoCapacity now, instead of two groups each
-    holding what the other needs until evict_timeout."""
-    wanted = {self.instance(n).name for n in names}
-    held_elsewhere = {rs.name for rs in self.models.values() if rs.primary.held > 0}
-    # Remote members take no room: the policy's question is about the ones that do.
-    room = {n for n in wanted | held_elsewhere if self.instance(n).backend.spawns}
-    problem = self._decide("room_for", None, self._snapshot(),
-                           frozenset(room)) if room else None
-    if problem:
-        busy = sorted(held_elsewhere - wanted)
-        raise NoCapacity(
-            f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
-            f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
-            f"finish")
-    hold = Hold(self.instance, self.resolve, self.notify_change, wanted)
-    try:
-        yield hold
-    finally:
-        hold.release_all()
+class Holds:
+    """The door for groups: all-or-none holds on members, and the up-front capacity check."""
 
-def check_capacity(self: Daemon, names: Iterable[str], what: str) -> None:
-    """Refuse up front what max_loaded can never fit, instead of thrashing."""
-    wanted = frozenset(self.resolve(n) or n for n in names)
-    # Remote members take no room (an unknown name stays: the policy says it is unknown).
-    wanted = frozenset(n for n in wanted if n not in self.models
-                       or self.models[n].primary.backend.spawns)
-    snap = self._snapshot()
-    for name in sorted(wanted):
-        refusal = self._decide("refuse", None, snap, name)
-        if refusal:
-            raise NotServed(f"{what}: {refusal}")
-    problem = self._decide("room_for", None, snap, wanted)
-    if problem:
-        loaded = sorted(rs.name for rs in self.models.values()
-                        if rs.primary.state in LOADED_STATES)
-        raise NoCapacity(f"{what} {problem}; loaded now: "
-                         f"{', '.join(loaded) or 'none'}")
+    def __init__(self, herd: Herd, planner: Planner):
+        self._herd = herd
+        self._planner = planner
+
+    @contextlib.contextmanager
+    def reserve(self, names: Iterable[str]) -> Iterator[Hold]:
+        """Hold models that will be acquired together (a group's members). All or none,
+        decided at once: when what is held already (by other groups) plus these plus the
+        pinned models cannot be loaded together, NoCapacity now, instead of two groups each
+        holding what the other needs until evict_timeout."""
+        herd = self._herd
+        wanted = {herd.instance(n).name for n in names}
+        held_elsewhere = {m.name for m in herd.models.values() if m.primary.held > 0}
+        # Remote members take no room: the policy's question is about the ones that do.
+        room = {n for n in wanted | held_elsewhere if herd.instance(n).backend.spawns}
+        problem = self._planner.decide("room_for", None, self._planner.snapshot(),
+                                       frozenset(room)) if room else None
+        if problem:
+            busy = sorted(held_elsewhere - wanted)
+            raise NoCapacity(
+                f"{len(wanted)} models ({', '.join(sorted(wanted))}) cannot be held now: "
+                f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
+                f"finish")
+        hold = Hold(herd.instance, herd.resolve, herd.changed.fire, wanted)
+        try:
+            yield hold
+        finally:
+            hold.release_all()
+
+    def check_capacity(self, names: Iterable[str], what: str) -> None:
+        """Refuse up front what max_loaded can never fit, instead of thrashing."""
+        herd, planner = self._herd, self._planner
+        wanted = frozenset(herd.resolve(n) or n for n in names)
+        # Remote members take no room (an unknown name stays: the policy says it is unknown).
+        wanted = frozenset(n for n in wanted if n not in herd.models
+                           or herd.models[n].primary.backend.spawns)
+        snap = planner.snapshot()
+        for name in sorted(wanted):
+            refusal = planner.decide("refuse", None, snap, name)
+            if refusal:
+                raise NotServed(f"{what}: {refusal}")
+        problem = planner.decide("room_for", None, snap, wanted)
+        if problem:
+            loaded = sorted(m.name for m in herd.models.values()
+                            if m.primary.state in LOADED_STATES)
+            raise NoCapacity(f"{what} {problem}; loaded now: "
+                             f"{', '.join(loaded) or 'none'}")

@@ -1,5 +1,5 @@
 """One schedulable unit's state machine: state and compare-and-swap transitions, slots and
-leases, its start, watchers and intents (DESIGN: supervisor/instance/)."""
+leases, its start (a Launch) and its watch (a ChildWatch) (DESIGN: supervisor/instance/)."""
 
 from corral.supervisor.instance.core import Instance, owned_task
 from corral.supervisor.instance.state import (
@@ -8,9 +8,8 @@ from corral.supervisor.instance.state import (
     Changed,
     Health,
     IllegalTransition,
-    Intent,
 )
 from corral.supervisor.port import Lease, State
 
 __all__ = ["LOADED_STATES", "STARTABLE", "Changed", "Health", "IllegalTransition", "Instance",
-           "Intent", "Lease", "State", "owned_task"]
+           "Lease", "State", "owned_task"]

@@ -1,7 +1,10 @@
-"""One schedulable unit: its state machine (compare-and-swap), slots and leases, intents, stop.
+"""One schedulable unit: its state machine (compare-and-swap), its start and stop, slots and
+leases.
 
-Starting lives in start.py, watching a ready child in watch.py, the admin view in view.py;
-they are parts of the one Instance class below, each in its own module.
+The work around a child is done by objects of their own, each made for one child: a Launch
+(instance/launch.py) spawns it and waits for it to be ready, a ChildWatch (instance/watch.py)
+watches its exit and health. They report; the instance alone changes its state. The admin
+view of an instance is the read model's (instance/view.py), which this module never imports.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Collection, Coroutine
@@ -19,18 +23,18 @@ import structlog
 
 from corral.supervisor.backends.base import Backend
 from corral.supervisor.config import ModelSpec
+from corral.supervisor.errors import StartFailed
 from corral.supervisor.events import EventBus
-from corral.supervisor.instance import start as start_part
-from corral.supervisor.instance import view as view_part
-from corral.supervisor.instance import watch as watch_part
+from corral.supervisor.instance.launch import Attached, Launch, health_path, stop_uncancellable
 from corral.supervisor.instance.state import (
     STARTABLE,
     TRANSITIONS,
+    Backoff,
     Changed,
     Health,
     IllegalTransition,
-    Intent,
 )
+from corral.supervisor.instance.watch import ChildWatch
 from corral.supervisor.port import Broken, Lease, State
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.prompt_cache import PromptCache
@@ -62,7 +66,6 @@ class Instance:
         self.since = time.time()
         self.port: int | None = None
         self.process: ChildProcess | None = None
-        self.intent = Intent()
         self.in_flight = 0
         self.queued = 0  # requests inside acquire(): waiting for start, room or a slot
         self.held = 0  # groups running with this model as a member
@@ -74,8 +77,7 @@ class Instance:
         self.unloads = 0  # unloads begun: a request queued before one is told, not served
         self.last_error: str | None = None
         self.health = Health()
-        self.start_failures = 0  # consecutive failed starts: the back-off exponent
-        self._retry_at: float | None = None  # monotonic; no new start before it
+        self.backoff = Backoff()  # consecutive failed starts, and when the next may begin
         self._headers: dict[str, str] = {}
         self._base_url = ""  # where leases send requests: the child's port, or a remote's URL
         # Leases whose request broke (report_broken): a remote's health counts the others as
@@ -86,44 +88,16 @@ class Instance:
         self._session: aiohttp.ClientSession | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
-        self._exit_task: asyncio.Task[None] | None = None
-        self._watchdog_task: asyncio.Task[None] | None = None
-        self._probe_task: asyncio.Task[bool] | None = None
+        self._watch: ChildWatch | None = None  # the current child's exit and health watch
         self._drain_until = 0.0
-        self._marked_dead = False  # failed by mark_if_dead, before the exit watcher ran
-        self._unresponsive_pid: int | None = None  # the child killed for not answering
+        # The child a request saw die (mark_if_dead), before the exit watcher ran: the mark
+        # is that child's, not the instance's (a later child's stop must not take it).
+        self._dead_pid: int | None = None
         self._state_changed = Changed()
         self._size: tuple[ModelSpec | None, int] = (None, 0)
         self._on_change = on_change
         self._log = structlog.get_logger("corral.instance").bind(
             model=spec.name, **({"replica": replica} if replica > 1 else {}))
-
-    # The parts, each in its own module: functions that take the instance.
-    # start.py
-    backoff_left = start_part.backoff_left
-    begin_start = start_part.begin_start
-    wait_ready = start_part.wait_ready
-    _start = start_part._start
-    _stop_own_child = start_part._stop_own_child
-    _report_progress = start_part._report_progress
-    _note_start_failure = start_part._note_start_failure
-    _fail_start = start_part._fail_start
-    _spawn_and_wait = start_part._spawn_and_wait
-    _deploy = start_part._deploy
-    _readiness = start_part._readiness
-    # watch.py
-    _watch = watch_part._watch
-    _watch_exit = watch_part._watch_exit
-    killed_as_unresponsive = watch_part.killed_as_unresponsive
-    mark_if_dead = watch_part.mark_if_dead
-    settle_exit = watch_part.settle_exit
-    probe_now = watch_part.probe_now
-    _probe_once = watch_part._probe_once
-    _declare_unresponsive = watch_part._declare_unresponsive
-    _watchdog = watch_part._watchdog
-    # view.py
-    _rpc_state = view_part._rpc_state
-    describe = view_part.describe
 
     @property
     def model(self) -> str:
@@ -149,6 +123,12 @@ class Instance:
     @property
     def stop_pending(self) -> bool:
         return self._stop_task is not None and not self._stop_task.done()
+
+    @property
+    def stop_task(self) -> asyncio.Task[None] | None:
+        """The stop under way, to wait for (None: none)."""
+        task = self._stop_task
+        return task if task is not None and not task.done() else None
 
     @property
     def can_start(self) -> bool:
@@ -258,6 +238,8 @@ class Instance:
         self._broken_leases.discard(id(lease))
         if not self.backend.spawns and not broke:
             self.health = self.health.answered(time.time())
+        if self.state is State.DRAINING:
+            self._state_changed.fire()  # the drain waits for its last request on this
         self._on_change()
 
     def _child_alive(self, lease: Lease) -> bool:
@@ -274,13 +256,16 @@ class Instance:
             self.health = self.health.failed(time.time(), error)
             self._noted(f"{self.spec.url}: {error}")
             return Broken(unresponsive=False, detail=self.last_error)
+        watch = self._watch
         if lease.pid == self.pid:
             self.mark_if_dead()
-            await self.settle_exit(0.5)
-            if timed_out and lease.pid == self.pid and self.child_alive():
-                await self.probe_now()
-        return Broken(unresponsive=lease.pid is not None and lease.pid == self._unresponsive_pid,
-                      detail=self.last_error)
+            if watch is not None:
+                await watch.settle(0.5)
+                if timed_out and lease.pid == self.pid and self.child_alive():
+                    await watch.probe_now()
+        unresponsive = watch is not None and watch.unresponsive \
+            and lease.pid == watch.process.pid
+        return Broken(unresponsive=unresponsive, detail=self.last_error)
 
     def wake_waiters(self) -> None:
         """This instance will serve no more (a new child took its name): requests blocked on
@@ -314,8 +299,7 @@ class Instance:
         if backend is not None:
             self.backend = backend
         if fresh_start and self.state is State.FAILED:
-            self.start_failures = 0
-            self._retry_at = None
+            self.backoff.reset()
         self._log.info("instance.reconfigured", state=str(self.state), pid=self.pid)
         self._on_change()
 
@@ -375,25 +359,29 @@ class Instance:
         loop = asyncio.get_running_loop()
         process = self.process
         try:
+            # Each request given back and the child's exit fire a change: no polling.
             while self.state is State.DRAINING and self.in_flight > 0 and self.child_alive():
                 remaining = self._drain_until - loop.time()
                 if remaining <= 0:
                     break
-                await self.wait_change(min(remaining, 0.1))
+                await self.wait_change(remaining)
             if self.state is State.DRAINING:
                 self._swap(State.DRAINING, State.STOPPING)
             start = self._start_task
             if start is not None and not start.done():
                 await asyncio.wait([start])  # it stops its own child on the way out
-            self._cancel_watchdog()
+            watch = self._watch
+            if watch is not None:
+                watch.stop_watchdog()
             # No start can have begun since this stop did: this is the child it was for.
             process = self.process
             slots, self.prompt_slots = self.prompt_slots, None
-            # Not from a child that stopped answering (its slots would cost the whole
-            # save_timeout, and the stop waits on them).
+            # Not from a child that stopped answering or that a request saw die (its slots
+            # would cost the whole save_timeout, and the stop waits on them).
             if slots is not None and process is not None and process.alive() \
-                    and not self._marked_dead and self.health.failures == 0 \
-                    and self._unresponsive_pid != process.pid:
+                    and self._dead_pid != process.pid and self.health.failures == 0 \
+                    and not (watch is not None and watch.unresponsive
+                             and watch.process is process):
                 await slots.save_all()  # bounded by save_timeout; never raises
             if process is not None:
                 await process.stop(self.spec.stop_grace)
@@ -403,23 +391,182 @@ class Instance:
                         f"{process.kill_wait:g}s of SIGKILL (uninterruptible sleep?); corral "
                         f"stopped waiting for it")
         finally:
-            # Whatever happened above, the stop ends here: group gone, state STOPPED.
-            if process is not None:
-                process.sweep_group()
-            self._cancel_watchdog()
-            if self._exit_task is not None:
-                self._exit_task.cancel()
-                self._exit_task = None
-            self._marked_dead = False
+            # Whatever happened above, the stop ends here: group gone, state STOPPED. A
+            # sweep never raises (process.py): nothing here can keep it from STOPPED.
+            try:
+                if process is not None:
+                    process.sweep_group()
+            except Exception:
+                self._log.exception("instance.sweep_failed", pid=process.pid if process else None)
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             if self.state is State.DRAINING:  # cancelled mid-drain (shutdown)
                 self._swap(State.DRAINING, State.STOPPING)
             self._swap(State.STOPPING, State.STOPPED)
 
-    def _cancel_watchdog(self) -> None:
-        task = self._watchdog_task
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            self._watchdog_task = None
+    # -- start ---------------------------------------------------------------------------------
+
+    def backoff_left(self, now: float | None = None) -> float:
+        """Seconds before a failed model may be started again (0: now)."""
+        if self.state is not State.FAILED:
+            return 0.0
+        return self.backoff.left(now or time.monotonic())
+
+    @property
+    def start_failures(self) -> int:
+        return self.backoff.failures
+
+    def begin_start(self, session: aiohttp.ClientSession,
+                    on_spawn: Callable[[Instance], None],
+                    kv_cache: tuple[str | None, str | None] | None = None,
+                    tune: Callable[[ModelSpec], ModelSpec] | None = None,
+                    reason: str = "demand") -> None:
+        """STOPPED|FAILED → STARTING and launch the one start task every waiter shares.
+        Refused (IllegalTransition) while a stop is pending: a start under a running stop is
+        how an unload used to be undone. `kv_cache`: KV cache types the strategy chose for
+        this start (None: as configured); `tune`: the backend's settings for this start from
+        those (a vLLM GPU share); `reason`: why it starts (a request's demand, a reload)."""
+        if self.stop_pending:
+            raise IllegalTransition(f"{self.name}: a start was asked while its stop runs")
+        if self.state not in STARTABLE:
+            raise IllegalTransition(f"{self.name}: cannot start from {self.state}")
+        started_with = self.spec
+        if kv_cache is not None:
+            started_with = dataclasses.replace(
+                self.spec, cache_type_k=kv_cache[0] or self.spec.cache_type_k,
+                cache_type_v=kv_cache[1] or self.spec.cache_type_v)
+        if tune is not None:
+            started_with = tune(started_with)
+        if started_with.prompt_cache and self._prompt_cache is not None:
+            started_with = dataclasses.replace(started_with,
+                                               slot_save_path=self._prompt_cache.store.dir)
+        self.started_with = started_with
+        self.prompt_slots = None
+        restart = self.state is State.FAILED
+        if restart:
+            self.restarts += 1
+        self._swap(STARTABLE, State.STARTING)
+        self._fit_slots()
+        self.starts += 1
+        self.served = 0
+        self._session = session
+        self._events.publish("load", model=self.model, instance=self.name, reason=reason,
+                             restart=restart)
+        self._start_task = owned_task(self._start(session, on_spawn), f"start:{self.name}")
+
+    async def wait_ready(self) -> None:
+        """Wait for the shared start to finish; raises its StartFailed for every waiter."""
+        task = self._start_task
+        if task is None:
+            return
+        # Shield: one impatient client hanging up must not cancel the start for the others.
+        await asyncio.shield(task)
+
+    async def _start(self, session: aiohttp.ClientSession,
+                     on_spawn: Callable[[Instance], None]) -> None:
+        began = time.monotonic()
+        if not self.backend.spawns:
+            self._connect_remote(began)
+            return
+        launch = Launch(self.name, self.started_with, self.backend, model=self.model,
+                        start_timeout=self.spec.start_timeout, session=session,
+                        keeper=self._keeper, deployer=self._deployer, events=self._events,
+                        attach=self._attach, on_spawn=lambda: on_spawn(self), log=self._log)
+        try:
+            process = await launch.run(lambda: self.state is State.STARTING)
+        except StartFailed as exc:
+            if self.state is State.STARTING:  # not when a stop took over mid-start
+                self._swap(State.STARTING, State.FAILED, exc.for_operators or str(exc))
+                delay = self.backoff.failed(self.spec.start_backoff,
+                                            self.spec.start_backoff_max, time.monotonic())
+                if delay is not None:
+                    self._log.warning("instance.start_backoff", failures=self.backoff.failures,
+                                      retry_in=round(delay, 3))
+                self._events.publish("load_failed", model=self.model, instance=self.name,
+                                     seconds=round(time.monotonic() - began, 3),
+                                     error=str(exc))
+            raise
+        if self.state is not State.STARTING:  # a stop took over as it became ready
+            await stop_uncancellable(process)
+            return
+        self._events.publish("loaded", model=self.model, instance=self.name, pid=process.pid,
+                             port=self.port, seconds=round(time.monotonic() - began, 3))
+        self.last_error = None
+        self.backoff.reset()
+        self.health = Health()
+        self._dead_pid = None
+        cache, spec = self._prompt_cache, self.started_with
+        if cache is not None and spec.slot_save_path is not None:
+            self.prompt_slots = cache.slots(
+                model=self.model, instance=self.name, spec=spec, binary=process.argv[0],
+                base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
+                session=session)
+        self._swap(State.STARTING, State.READY)
+        self._watch = ChildWatch(
+            self.name, process, session, port=self.port or 0,
+            health_path=health_path(self.started_with, self.backend),
+            settings=lambda: self.spec, health=self.health,
+            serving=lambda: self.process is process and self.state in (State.READY,
+                                                                       State.DRAINING),
+            on_exit=self._child_exited, on_unresponsive=self._child_unresponsive,
+            log=self._log)
+        self._watch.start()
+
+    def _attach(self, child: Attached) -> None:
+        self.process, self.port = child.process, child.port
+        self._base_url, self._headers = child.base_url, child.headers
+        self.started_with = child.spec
+        self._on_change()
+
+    def _connect_remote(self, began: float) -> None:
+        """A remote has nothing to start: its leases point at its URL with its key. Whether
+        it answers is what its requests find (Health), not a gate here: a probe would cost
+        every cold request a round trip and still say nothing of the next one."""
+        spec = self.started_with
+        assert spec.url is not None  # checks/backends.py requires it
+        self._base_url = spec.url
+        self._headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        self.port = None
+        self._events.publish("loaded", model=self.model, instance=self.name, pid=None,
+                             port=None, seconds=round(time.monotonic() - began, 3))
+        self.last_error = None
+        self.backoff.reset()
+        self.health = Health()
+        self._swap(State.STARTING, State.READY)
+
+    # -- what the watch reports ------------------------------------------------------------------
+
+    def _child_exited(self, process: ChildProcess, code: int, message: str) -> None:
+        if self.process is not process:
+            return
+        if self.state is State.READY:
+            self._swap(State.READY, State.FAILED, message)
+        elif self.state is State.DRAINING or (self.state is State.FAILED
+                                              and self._dead_pid == process.pid):
+            # Draining: the stop under way owns the ending (STOPPED, not FAILED: no restart
+            # may begin under it). Marked dead: the exit code says more than "gone".
+            self._noted(message)
+
+    def _child_unresponsive(self, process: ChildProcess, message: str) -> None:
+        if self.process is not process:
+            return
+        if self.state is State.READY:
+            self._swap(State.READY, State.FAILED, message)
+        else:
+            self._noted(message)
+
+    def mark_if_dead(self) -> None:
+        """A request saw the child break: if it is gone, fail the instance now, before the
+        exit watcher runs, so no other request is handed its port."""
+        if self.child_alive():
+            return
+        message = f"{self.name} (pid {self.pid}) died while serving"
+        if self.state is State.READY:
+            self._dead_pid = self.pid
+            self._swap(State.READY, State.FAILED, message)
+        elif self.state is State.DRAINING:
+            self._noted(message)  # the drain ends now; its stop goes on to STOPPED
 
 
 def owned_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -1,4 +1,5 @@
-"""The instance's closed state machine: states, the transitions allowed, and its intents."""
+"""The instance's closed state machine: states, the transitions allowed, its start back-off,
+its health record."""
 
 from __future__ import annotations
 
@@ -32,14 +33,27 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass
-class Intent:
-    """What the instance has been told to do next, beyond its state. The daemon used to keep
-    these as sets of names beside the instances, which is how a start could begin under a
-    pending stop; now each is the instance's own, read and cleared through it."""
+class Backoff:
+    """Consecutive failed starts and when the next may begin (exponential, capped)."""
 
-    restart_after_stop: bool = False  # a reload or KV change: start again once stopped
-    for_kv: bool = False  # that restart is for a KV step (it keeps its room meanwhile)
-    preloading: bool = False  # the daemon loads it (kept loaded by the policy)
+    failures: int = 0
+    retry_at: float | None = None  # monotonic; no new start before it
+
+    def left(self, now: float) -> float:
+        return 0.0 if self.retry_at is None else max(0.0, self.retry_at - now)
+
+    def failed(self, base: float, cap: float, now: float) -> float | None:
+        """Count one more failure; the delay before the next try (None: none)."""
+        self.failures += 1
+        if base <= 0:
+            self.retry_at = None
+            return None
+        delay = float(min(base * 2.0 ** (self.failures - 1), cap))
+        self.retry_at = now + delay
+        return delay
+
+    def reset(self) -> None:
+        self.failures, self.retry_at = 0, None
 
 
 class Changed:

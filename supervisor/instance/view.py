@@ -1,19 +1,18 @@
-"""The admin API's view of one instance (GET /admin/models)."""
+"""The admin API's view of one instance (GET /admin/models): the read model's, built from
+what the instance shows; the instance itself never imports it."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from corral.supervisor.instance.core import Instance
 from corral.supervisor.instance.state import LOADED_STATES
 from corral.supervisor.memory.placement import gpu_index
 from corral.supervisor.port import State
 
-if TYPE_CHECKING:
-    from corral.supervisor.instance.core import Instance
 
-
-def _rpc_state(self: Instance) -> dict[str, Any] | None:
+def rpc_state(self: Instance) -> dict[str, Any] | None:
     if not self.spec.rpc_workers:
         return None
     live = self.deployment if self.state in LOADED_STATES else None
@@ -53,7 +52,7 @@ def describe(self: Instance, now_mono: float | None = None) -> dict[str, Any]:
         # The GPUs (indices) its child runs on (None: not placed, or not running)
         "gpus": gpus_of(self),
         # RPC workers with the layers each holds (None: not split over workers)
-        "rpc": self._rpc_state(),
+        "rpc": rpc_state(self),
         "ttl": self.spec.ttl,
         "ttl_left": ttl_left,
         "pinned": self.pinned,

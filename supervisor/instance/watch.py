@@ -1,140 +1,149 @@
-"""Watching a ready child: its exit, its /health (the watchdog), and a probe at once when a
-request to it timed out."""
+"""Watching one ready child: its exit, its /health (the watchdog), and a probe at once when a
+request to it timed out. One ChildWatch per child; what it finds it reports to its instance,
+which owns the state."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import aiohttp
+import structlog
 
-from corral.supervisor.port import State
+from corral.supervisor.config import ModelSpec
+from corral.supervisor.instance.state import Health
 from corral.supervisor.process import ChildProcess, port_open, probe_health
 
-if TYPE_CHECKING:
-    from corral.supervisor.instance.core import Instance
+# What the watch tells its instance: the child exited (code, the reason in words), or it was
+# found unresponsive and is being killed (the reason).
+OnExit = Callable[[ChildProcess, int, str], None]
+OnUnresponsive = Callable[[ChildProcess, str], None]
 
 
-def _watch(self: Instance, session: aiohttp.ClientSession, process: ChildProcess) -> None:
-    self._exit_task = asyncio.create_task(self._watch_exit(process),
-                                          name=f"exit:{self.name}")
-    self._watchdog_task = asyncio.create_task(self._watchdog(session, process),
-                                              name=f"watchdog:{self.name}")
+class ChildWatch:
+    def __init__(self, name: str, process: ChildProcess, session: aiohttp.ClientSession, *,
+                 port: int, health_path: str | None, settings: Callable[[], ModelSpec],
+                 health: Health, serving: Callable[[], bool], on_exit: OnExit,
+                 on_unresponsive: OnUnresponsive, log: structlog.typing.FilteringBoundLogger):
+        self._name = name
+        self.process = process
+        self._session = session
+        self._port = port
+        self._health_path = health_path  # None: the port accepting connections is health
+        self._settings = settings  # the model's spec now: health knobs apply at once on reload
+        self._health = health
+        self._serving = serving
+        self._on_exit = on_exit
+        self._on_unresponsive = on_unresponsive
+        self._log = log
+        self.unresponsive = False  # killed for not answering
+        self._exit_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[bool] | None = None
 
-async def _watch_exit(self: Instance, process: ChildProcess) -> None:
-    code = await process.exited()
-    # At once, not after the log drains: helpers it forked (vLLM's engine core, a wrapper's
-    # server) must not go on serving a stream for a process that is gone.
-    process.sweep_group()
-    await process.wait()  # its last lines, for the reason below (bounded)
-    if self.process is not process:
-        return
-    tail = process.tail(5)
-    why = process.exit_reason()
-    detail = f": {why}" if why else f": {tail[-1]}" if tail else ""
-    message = f"{self.name} exited unexpectedly with code {code}{detail}"
-    if self.state is State.READY:
-        self._swap(State.READY, State.FAILED, message)
-    elif self.state is State.DRAINING or (self.state is State.FAILED and self._marked_dead):
-        # Draining: the stop under way owns the ending (STOPPED, not FAILED: no restart
-        # may begin under it). Marked dead: the exit code says more than "gone".
-        self._noted(message)
+    def start(self) -> None:
+        self._exit_task = asyncio.create_task(self._watch_exit(), name=f"exit:{self._name}")
+        self._watchdog_task = asyncio.create_task(self._watchdog(),
+                                                  name=f"watchdog:{self._name}")
 
-def killed_as_unresponsive(self: Instance) -> bool:
-    """Whether the current child was killed by the watchdog (it stopped answering)."""
-    return self._unresponsive_pid is not None and self._unresponsive_pid == self.pid
+    def close(self) -> None:
+        """The child's stop has begun or ended: nothing of this watch runs on (the task
+        that calls this, when it is one of the watch's, ends by itself)."""
+        current = asyncio.current_task()
+        for task in (self._exit_task, self._watchdog_task, self._probe_task):
+            if task is not None and task is not current:
+                task.cancel()
 
-def mark_if_dead(self: Instance) -> None:
-    """A request saw the child break: if it is gone, fail the instance now, before the
-    exit watcher runs, so no other request is handed its port."""
-    if self.child_alive():
-        return
-    message = f"{self.name} (pid {self.pid}) died while serving"
-    if self.state is State.READY:
-        self._marked_dead = True
-        self._swap(State.READY, State.FAILED, message)
-    elif self.state is State.DRAINING:
-        self._noted(message)  # the drain ends now; its stop goes on to STOPPED
+    def stop_watchdog(self) -> None:
+        task = self._watchdog_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
-async def settle_exit(self: Instance, within: float) -> None:
-    task = self._exit_task
-    if task is None or task.done():
-        return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(task), within)
-
-async def probe_now(self: Instance) -> bool:
-    """A request to this child timed out: ask /health at once (one probe shared by every
-    request that asks meanwhile) and kill the child when it does not answer, so the next
-    request gets a fresh child instead of the same wait. True: it answered."""
-    task = self._probe_task
-    if task is None or task.done():
-        process, session = self.process, self._session
-        if process is None or session is None:
-            return False
-        task = asyncio.create_task(self._probe_once(session, process),
-                                   name=f"probe:{self.name}")
-        self._probe_task = task
-    return await asyncio.shield(task)
-
-async def _probe_once(self: Instance, session: aiohttp.ClientSession,
-                      process: ChildProcess) -> bool:
-    problem = await _health_problem(self, session)
-    self.health.last_probe = time.time()
-    if problem is None:
-        self.health.last_ok = self.health.last_probe
-        return True
-    self.health.last_error = problem
-    if self.process is process and self.state in (State.READY, State.DRAINING):
-        await self._declare_unresponsive(process, f"a request timed out and its health "
-                                                  f"probe failed ({problem})")
-    return False
-
-async def _health_problem(self: Instance, session: aiohttp.ClientSession) -> str | None:
-    """What is wrong with the child's health (None: healthy): its backend's health path, or a
-    command child's own `health` (None there: its port accepting connections)."""
-    path = self.started_with.health_path if self.backend.kind == "command" \
-        else self.backend.health_path
-    if path is None:
-        return None if await port_open(self.port or 0, self.spec.health_timeout) \
-            else "its port refuses connections"
-    return await probe_health(session, f"http://127.0.0.1:{self.port}{path}",
-                              self.spec.health_timeout)
-
-async def _declare_unresponsive(self: Instance, process: ChildProcess, why: str) -> None:
-    self._unresponsive_pid = process.pid
-    message = f"{self.name} stopped answering: {why}; killed pid {process.pid}"
-    self._log.warning("instance.unresponsive", pid=process.pid, why=why)
-    if self.state is State.READY:
-        self._swap(State.READY, State.FAILED, message)
-    else:
-        self._noted(message)
-    await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
-
-async def _watchdog(self: Instance, session: aiohttp.ClientSession, process: ChildProcess) -> None:
-    """Probe /health of a ready child; kill it after `health_failures` misses in a row.
-    /health never touches the slots, so probing it cannot hide a request's cancellation."""
-    def serving() -> bool:
-        return self.process is process and self.state in (State.READY, State.DRAINING)
-
-    while serving():
-        await asyncio.sleep(self.spec.health_interval)
-        if not serving():
+    async def settle(self, within: float) -> None:
+        """Give the exit watcher up to `within` seconds to take in an exit."""
+        task = self._exit_task
+        if task is None or task.done():
             return
-        problem = await _health_problem(self, session)
-        now = time.time()
-        self.health.last_probe = now
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), within)
+
+    async def _watch_exit(self) -> None:
+        process = self.process
+        code = await process.exited()
+        # At once, not after the log drains: helpers it forked (vLLM's engine core, a
+        # wrapper's server) must not go on serving a stream for a process that is gone.
+        process.sweep_group()
+        await process.wait()  # its last lines, for the reason below (bounded)
+        tail = process.tail(5)
+        why = process.exit_reason()
+        detail = f": {why}" if why else f": {tail[-1]}" if tail else ""
+        self._on_exit(process, code,
+                      f"{self._name} exited unexpectedly with code {code}{detail}")
+
+    async def probe_now(self) -> bool:
+        """A request to this child timed out: ask /health at once (one probe shared by every
+        request that asks meanwhile) and kill the child when it does not answer, so the next
+        request gets a fresh child instead of the same wait. True: it answered."""
+        task = self._probe_task
+        if task is None or task.done():
+            task = asyncio.create_task(self._probe_once(), name=f"probe:{self._name}")
+            self._probe_task = task
+        return await asyncio.shield(task)
+
+    async def _probe_once(self) -> bool:
+        problem = await self._health_problem()
+        self._health.last_probe = time.time()
         if problem is None:
-            self.health.last_ok = now
-            self.health.failures = 0
-            continue
-        self.health.failures += 1
-        self.health.last_error = problem
-        self._log.warning("instance.health_failed", pid=process.pid, problem=problem,
-                          failures=self.health.failures, limit=self.spec.health_failures)
-        if self.health.failures >= self.spec.health_failures and serving():
-            await self._declare_unresponsive(process, (
-                f"{self.health.failures} health probes failed in a row (last: {problem})"))
-            return
+            self._health.last_ok = self._health.last_probe
+            return True
+        self._health.last_error = problem
+        if self._serving():
+            await self._declare_unresponsive(f"a request timed out and its health probe "
+                                             f"failed ({problem})")
+        return False
+
+    async def _health_problem(self) -> str | None:
+        """What is wrong with the child's health (None: healthy): its backend's health path,
+        or a command child's own `health` (None there: its port accepting connections)."""
+        timeout = self._settings().health_timeout
+        if self._health_path is None:
+            return None if await port_open(self._port, timeout) \
+                else "its port refuses connections"
+        return await probe_health(
+            self._session, f"http://127.0.0.1:{self._port}{self._health_path}", timeout)
+
+    async def _declare_unresponsive(self, why: str) -> None:
+        process = self.process
+        self.unresponsive = True
+        self._log.warning("instance.unresponsive", pid=process.pid, why=why)
+        self._on_unresponsive(process, f"{self._name} stopped answering: {why}; killed pid "
+                                       f"{process.pid}")
+        await process.stop(0)  # SIGKILL works on a stopped (SIGSTOP) process too
+
+    async def _watchdog(self) -> None:
+        """Probe /health of a ready child; kill it after `health_failures` misses in a row.
+        /health never touches the slots, so probing it cannot hide a request's
+        cancellation."""
+        health = self._health
+        while self._serving():
+            await asyncio.sleep(self._settings().health_interval)
+            if not self._serving():
+                return
+            problem = await self._health_problem()
+            now = time.time()
+            health.last_probe = now
+            if problem is None:
+                health.last_ok = now
+                health.failures = 0
+                continue
+            health.failures += 1
+            health.last_error = problem
+            limit = self._settings().health_failures
+            self._log.warning("instance.health_failed", pid=self.process.pid, problem=problem,
+                              failures=health.failures, limit=limit)
+            if health.failures >= limit and self._serving():
+                await self._declare_unresponsive(
+                    f"{health.failures} health probes failed in a row (last: {problem})")
+                return

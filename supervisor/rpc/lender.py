@@ -17,6 +17,7 @@ from corral.supervisor.config.schema.rpc import WorkerConfig
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.workers import rpc_server_binary, rpc_version, start_local_rpc_server
+from corral.supervisor.tasks import TaskScope
 
 log = structlog.get_logger("corral.rpc")
 
@@ -52,6 +53,9 @@ class Lender:
         self.loans: dict[str, Loan] = {}
         self._starting = 0  # lends between their check of the cap and their loan in `loans`
         self._expiry: asyncio.Task[None] | None = None
+        # Lends, ends and the expiry: the lender's tasks, cancelled and awaited at close (a
+        # head hanging up only stops waiting).
+        self._tasks = TaskScope("rpc lender")
         if config.bind not in ("127.0.0.1", "::1", "localhost"):
             log.warning("rpc.bind_not_loopback", bind=config.bind,
                         note="rpc-server has no authentication: anyone who reaches this "
@@ -72,7 +76,10 @@ class Lender:
     async def lend(self, model: str) -> tuple[Loan, str]:
         """An rpc-server on the device with the most free memory not already lent, and the
         RPC protocol version it speaks. TooManyLoans past worker.max_loans (those still
-        starting count)."""
+        starting count). The lender's task: a caller that goes away only stops waiting."""
+        return await self._tasks.run(self._lend_counted(model), f"lend:{model}")
+
+    async def _lend_counted(self, model: str) -> tuple[Loan, str]:
         if len(self.loans) + self._starting >= self.config.max_loans:
             log.warning("rpc.too_many_loans", model=model, max_loans=self.config.max_loans)
             raise TooManyLoans(f"this worker lends at most {self.config.max_loans} rpc-servers "
@@ -117,12 +124,17 @@ class Lender:
         if loan is None:
             return False
         log.info("rpc.loan_ended", model=loan.model, id=loan_id, pid=loan.process.pid, why=why)
-        await asyncio.shield(loan.process.stop(2.0))
+        if self._tasks.closed:  # the close itself: stopped here, no task of its own
+            await loan.process.stop(2.0)
+        else:
+            await self._tasks.run(loan.process.stop(2.0), f"end-loan:{loan_id}")
         return True
 
     def _ensure_expiry(self) -> None:
+        if self._tasks.closed:
+            return  # closing: the loans end with it, no new expiry watch
         if self._expiry is None or self._expiry.done():
-            self._expiry = asyncio.create_task(self._expire(), name="rpc-leases")
+            self._expiry = self._tasks.spawn(self._expire(), "rpc-leases")
 
     async def _expire(self) -> None:
         while self.loans:
@@ -135,8 +147,7 @@ class Lender:
                     await self.end(loan.id, f"no renewal from the head in {self.config.lease:g}s")
 
     async def close(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
+        await self._tasks.close()
         for loan_id in list(self.loans):
             with contextlib.suppress(Exception):
                 await self.end(loan_id, "worker shutdown")
