@@ -160,7 +160,8 @@ class LogRing:
     async def wait(self, timeout: float | None) -> None:
         """Until a line comes, or `timeout` seconds."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._grown.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._grown.wait()
 
 
 class ChildProcess:
@@ -375,9 +376,13 @@ class ChildProcess:
         except ProcessLookupError:
             if self._proc.returncode is not None:
                 self._group_gone = True  # nothing left of it
-        except OSError as exc:  # EPERM: not ours after all
-            self._group_gone = True
+        except OSError as exc:  # EPERM: a helper of another user's in the group?
             self._log.error("child.signal_failed", signal=sig.name, error=str(exc))
+            if self._proc.returncode is not None:
+                self._group_gone = True
+            else:  # the child itself is ours while it is not reaped: signal it alone
+                with contextlib.suppress(OSError):
+                    os.kill(pgid, sig)
 
 
 def _pid_taken(pid: int) -> bool:

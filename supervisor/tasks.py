@@ -31,6 +31,9 @@ class TaskScope:
     def __init__(self, owner: str):
         self.owner = owner
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Tasks whose caller waits for them (run()): their outcome is the caller's to handle,
+        # logged here only once the caller has gone away.
+        self._awaited: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     @property
@@ -56,10 +59,19 @@ class TaskScope:
         """Run `coro` as this scope's task and wait for it: a caller that is cancelled (an
         HTTP client hanging up) only stops waiting; the work goes on to its end, or to the
         owner's close()."""
-        return await asyncio.shield(self.spawn(coro, name))
+        task = self.spawn(coro, name)
+        self._awaited.add(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._awaited.discard(task)  # nobody waits now: a crash is logged
+            raise
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
+        if task in self._awaited:
+            self._awaited.discard(task)
+            return  # its caller has the result, or the exception
         if not task.cancelled() and task.exception() is not None:
             log.error("task.crashed", owner=self.owner, task=task.get_name(),
                       exc_info=task.exception())

@@ -47,3 +47,54 @@ def test_no_module_has_two_jobs_by_size() -> None:
             for p in (ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def _package_imports(package: Path) -> dict[str, set[str]]:
+    """Each module of `package` → the modules of the same package it imports (TYPE_CHECKING
+    imports and imports inside functions included: a circle is a circle)."""
+    prefix = "corral." + ".".join(package.relative_to(ROOT).parts)
+    modules = {f"{prefix}.{p.stem}" if p.stem != "__init__" else prefix: p
+               for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for imported in _imports(path):
+            for candidate in modules:
+                if candidate != name and candidate != prefix and (
+                        imported == candidate or imported.startswith(candidate + ".")):
+                    graph[name].add(candidate)
+    return graph
+
+
+def test_no_import_circle_inside_the_daemon_the_model_or_the_instance() -> None:
+    """DESIGN: no import circle inside a package; a part that needs the whole daemon gets the
+    few things it uses."""
+    circles = []
+    for folder in ("daemon", "instance", "model"):
+        graph = _package_imports(ROOT / "supervisor" / folder)
+
+        def reaches(start: str, goal: str, seen: set[str], graph: dict[str, set[str]] = graph,
+                    ) -> bool:
+            for nxt in graph[start]:
+                if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                    return True
+            return False
+
+        circles += [f"{a} ⇄ {b}" for a in graph for b in graph[a] if reaches(b, a, {b})]
+    assert not circles, circles
+
+
+def test_the_daemon_is_made_of_objects_not_of_functions_bound_from_other_modules() -> None:
+    """No `acquire = door_part.acquire`: every function on Daemon is defined in its class."""
+    import inspect
+
+    from corral.supervisor.daemon import Daemon
+
+    foreign = sorted(name for name, value in vars(Daemon).items()
+                     if inspect.isfunction(value) and value.__module__ != Daemon.__module__)
+    assert not foreign, foreign
+    from corral.supervisor.instance import Instance
+
+    foreign = sorted(name for name, value in vars(Instance).items()
+                     if inspect.isfunction(value) and value.__module__ != Instance.__module__)
+    assert not foreign, foreign

@@ -91,13 +91,14 @@ class Door:
         lease = await self.acquire(model.name, ignore_backoff=ignore_backoff)
         lease.release()
 
-    async def start_member(self, inst: Instance) -> None:
+    async def start_member(self, model: Model, inst: Instance) -> None:
         """Start one replica (room made, evictions waited for), within the time a request
-        would wait for room plus the start itself."""
+        would wait for room plus the start itself; an unload calls it off."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._herd.loaded.config.policy.evict_timeout \
             + inst.spec.start_timeout
-        await self.ensure_ready(inst, deadline, ignore_backoff=False)
+        await self.ensure_ready(inst, deadline, ignore_backoff=False,
+                                called_off=lambda: model.down)
 
     async def _acquire_replica(self, model: Model, ignore_backoff: bool) -> Lease:
         """Lease the least busy ready replica. Loading the model starts replicas.min children;
@@ -156,8 +157,10 @@ class Door:
         if 0 < up < model.spec.replicas_min:
             model.fill(model.spec.replicas_min)
 
-    async def ensure_ready(self, inst: Instance, deadline: float,
-                           ignore_backoff: bool) -> None:
+    async def ensure_ready(self, inst: Instance, deadline: float, ignore_backoff: bool,
+                           called_off: Callable[[], bool] | None = None) -> None:
+        """Until `inst` is ready: started when it may, room made, evictions waited for.
+        `called_off`: asked each round (a replica start an unload called off)."""
         herd = self._herd
         loop = asyncio.get_running_loop()
         victim: Instance | None = None  # evicted on our behalf, still on its way out
@@ -165,6 +168,8 @@ class Door:
         while inst.state is not State.READY:
             if herd.closing:
                 raise ShuttingDown("corral is shutting down")
+            if called_off is not None and called_off():
+                raise Unloaded(f"{inst.model} was unloaded while {inst.name} waited to start")
             if inst.model not in herd.models:  # a reload removed it meanwhile
                 raise UnknownModel(inst.model, sorted(herd.models))
             if not herd.configured(inst):
@@ -238,6 +243,8 @@ class Door:
                               f"memory: to make room for {inst.name}")
             return None, placement
         victim = self._herd.loaded_member(placement.evict) if placement.evict else None
+        if victim is not None and victim.model == inst.model:
+            victim = None  # a replica's room is never its sibling's: the model would not grow
         if victim is not None and victim.state is State.READY:
             victim.begin_stop(f"evicted (least recently used) to start {inst.name}",
                               cause="lru")
@@ -248,7 +255,8 @@ class Door:
         """Wait for the start under way, no longer than the request may wait (the start goes
         on: it is the instance's)."""
         try:
-            await asyncio.wait_for(inst.wait_ready(), remaining)
+            async with asyncio.timeout(remaining):
+                await inst.wait_ready()
         except TimeoutError:
             raise QueueTimeout(
                 f"{inst.name} is still starting; it did not become ready within the "

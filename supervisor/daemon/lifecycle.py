@@ -73,8 +73,8 @@ class Lifecycle:
     async def bring_up(self, model: Model, ignore_backoff: bool) -> None:
         await self.door.bring_up(model, ignore_backoff)
 
-    async def start_member(self, inst: Instance) -> None:
-        await self.door.start_member(inst)
+    async def start_member(self, model: Model, inst: Instance) -> None:
+        await self.door.start_member(model, inst)
 
     def switched(self, model: Model) -> None:
         self._herd.persist_children()

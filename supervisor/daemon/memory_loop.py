@@ -56,8 +56,8 @@ class MemoryLoop:
             except Exception:
                 log.exception("daemon.memory_watch_failed")  # one bad sample is not the end
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(),
-                                       self._herd.loaded.config.memory.interval)
+                async with asyncio.timeout(self._herd.loaded.config.memory.interval):
+                    await self._wake.wait()
             self._wake.clear()
 
     def relieve(self) -> None:

@@ -216,7 +216,9 @@ class Instance:
         """Wait for one of the `parallel` slots; the caller has checked the state is READY."""
         slots = self._slots
         if slots.locked():
-            await asyncio.wait_for(slots.acquire(), timeout)
+            # asyncio.timeout: wait_for on Python 3.11 can lose a slot won as it times out.
+            async with asyncio.timeout(timeout):
+                await slots.acquire()
         else:
             await slots.acquire()  # free slot: no timer task on the hot path
         self.in_flight += 1

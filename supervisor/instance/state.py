@@ -67,8 +67,12 @@ class Changed:
         self._event = asyncio.Event()  # re-armed for the next change
 
     async def wait(self, timeout: float | None) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # arrives as the event fires (the waiter then goes on as if nobody had cancelled it:
+        # an unload's cancelled replica start went on to start the replica).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
 
 
 @dataclass

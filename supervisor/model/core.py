@@ -42,7 +42,7 @@ class Host(Protocol):
     def retire(self, inst: Instance, why: str) -> None: ...
     def start_beside(self, model: Model, fresh: Instance, reason: str) -> bool: ...
     async def bring_up(self, model: Model, ignore_backoff: bool) -> None: ...
-    async def start_member(self, inst: Instance) -> None: ...
+    async def start_member(self, model: Model, inst: Instance) -> None: ...
     def switched(self, model: Model) -> None: ...
 
 
@@ -63,7 +63,7 @@ class Model:
         self.kv_level = 0  # the KV ladder step the model runs at (0: its best)
         self.kept = False  # the policy keeps it loaded (the pin)
         self.down = False  # an unload asked: it stays stopped until a request or a load
-        self.waiting: str | None = None  # why a pinned model is not up yet (shown by admin)
+        self._waiting: str | None = None  # why a pinned model is not up yet
         self._op: Operation | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._filler: asyncio.Task[None] | None = None
@@ -94,6 +94,15 @@ class Model:
     def holds(self, inst: Instance) -> bool:
         """Whether `inst` is one of the config's instances of this model now."""
         return inst is self.primary or inst in self.extra
+
+    @property
+    def waiting(self) -> str | None:
+        """Why a pinned model is not up yet (admin shows it); None once it serves."""
+        return None if self.primary.state is State.READY else self._waiting
+
+    @waiting.setter
+    def waiting(self, why: str | None) -> None:
+        self._waiting = why
 
     @property
     def operation(self) -> ModelState | None:
@@ -367,6 +376,8 @@ class Model:
 
     async def _keep_up(self) -> None:
         delay = KEEP_UP_FIRST_S
+        if self.primary.state is State.FAILED:
+            log.info("daemon.restart_kept", model=self.name, error=self.primary.last_error)
         while self.kept and not self.down and not self._host.closing \
                 and self._host.configured(self):
             if self.primary.state is State.READY or self.operation is not None:
@@ -414,7 +425,7 @@ class Model:
                 if replica is None:
                     return
                 try:
-                    await self._host.start_member(replica)
+                    await self._host.start_member(self, replica)
                 except SupervisorError as exc:
                     log.warning("daemon.scale_up_refused", model=self.name,
                                 replica=replica.replica, error=str(exc))
