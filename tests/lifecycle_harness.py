@@ -28,7 +28,7 @@ DEFAULTS = {"ttl": 300, "stop_grace": 1, "queue_timeout": 4, "start_backoff": 0.
 
 def config_text(models: dict[str, dict[str, Any]], **top: Any) -> str:
     import json
-    doc = {"binary": str(FAKE), "shutdown_grace": 0.3, "defaults": DEFAULTS,
+    doc = {"binary": str(FAKE), "shutdown_grace": 0.2, "defaults": DEFAULTS,
            "models": models, **top}
     return json.dumps(doc)  # YAML reads JSON
 

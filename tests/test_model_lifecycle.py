@@ -229,9 +229,17 @@ def test_a_cold_request_waits_no_longer_than_queue_timeout(tiny_models, tmp_path
     run(scenario())
 
 
-def test_the_dead_mark_belongs_to_the_child_that_died(tiny_models, tmp_path):
+def test_the_dead_mark_belongs_to_the_child_that_died(tiny_models, tmp_path, monkeypatch):
     """e3e28ca: a request that saw its child die marked the instance dead, and the mark
     outlived the restart: the next child's first stop skipped its prompt-cache save."""
+    from corral.supervisor.prompt_cache.slots import Slots
+
+    saved: list[str] = []
+
+    async def save_all(self: Slots) -> None:
+        saved.append("saved")
+
+    monkeypatch.setattr(Slots, "save_all", save_all)
     models = _models(tiny_models, m={})
 
     async def scenario() -> None:
@@ -241,13 +249,16 @@ def test_the_dead_mark_belongs_to_the_child_that_died(tiny_models, tmp_path):
             old = inst.pid
             assert old is not None
             os.kill(old, signal.SIGKILL)
-            await asyncio.sleep(0.05)
+            # Dead, and not yet seen by the exit watcher (the loop is held here): the request
+            # is the first to find out.
+            while inst.child_alive():
+                time.sleep(0.001)
             await lease.report_broken()
             lease.release()
             assert inst.state is State.FAILED
             await h.daemon.load("m")
-            assert inst.pid != old
-            # What the stop's save reads: the new child is not the one that died.
-            assert inst._dead_pid != inst.pid
+            assert inst.pid != old and inst.prompt_slots is not None
+            await h.daemon.unload("m")
+            assert saved == ["saved"], "the new child's stop skipped its prompt-cache save"
 
     run(scenario())

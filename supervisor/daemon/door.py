@@ -70,7 +70,9 @@ class Door:
                     unloads = inst.unloads
                     inst.queue_enter()
                 _refuse_if_unloaded(inst, unloads)
-                await self.ensure_ready(inst, deadline, ignore_backoff)
+                # A request that queued before an unload never starts the model again.
+                await self.ensure_ready(inst, deadline, ignore_backoff,
+                                        called_off=_unloaded_since(inst, unloads))
                 if not herd.configured(inst):
                     continue
                 _refuse_if_unloaded(inst, unloads)
@@ -139,7 +141,8 @@ class Door:
                     # Cold: the first replica starts like any model (room, eviction,
                     # back-off), and the replicas task starts the rest of replicas.min.
                     cold = next((r for r in model.members if r.can_start), first)
-                    await self.ensure_ready(cold, deadline, ignore_backoff)
+                    await self.ensure_ready(cold, deadline, ignore_backoff,
+                                            called_off=_unloaded_since(first, unloads))
                     continue
                 waited = loop.time() - started_waiting
                 if waited >= spec.scale_after and len(up) < spec.replicas_max \
@@ -274,3 +277,7 @@ def _refuse_if_unloaded(inst: Instance, seen: int) -> None:
     after the unload began waits for its stop to end, then starts the model anew."""
     if inst.unloads != seen:
         raise Unloaded(f"{inst.model} was unloaded while this request waited for it")
+
+
+def _unloaded_since(inst: Instance, seen: int) -> Callable[[], bool]:
+    return lambda: inst.unloads != seen
