@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from lifecycle_harness import config_text, running
 
-from corral.supervisor.errors import QueueTimeout
+from corral.supervisor.errors import QueueTimeout, Unloaded
 from corral.supervisor.instance import State
 from corral.supervisor.model import ModelState
 
@@ -260,5 +260,25 @@ def test_the_dead_mark_belongs_to_the_child_that_died(tiny_models, tmp_path, mon
             assert inst.pid != old and inst.prompt_slots is not None
             await h.daemon.unload("m")
             assert saved == ["saved"], "the new child's stop skipped its prompt-cache save"
+
+    run(scenario())
+
+
+def test_a_request_that_queued_before_an_unload_does_not_start_the_model_again(
+        tiny_models, tmp_path):
+    """Found by the lifecycle property test: a cold request waiting for its start, an admin
+    unload; the unload stopped the start, and the request, going round its wait, started the
+    model again (the unload answered with the model `starting`)."""
+    models = _models(tiny_models, m={"env": {"FAKE_UPSTREAM_DELAY": "0.5"}})
+
+    async def scenario() -> None:
+        async with running(config_text(models), tmp_path) as h:
+            cold = asyncio.ensure_future(h.daemon.acquire("m"))
+            await h.until(lambda: h.inst("m").state is State.STARTING, what="starting")
+            status = await h.daemon.unload("m")
+            assert status.state is State.STOPPED
+            with pytest.raises(Unloaded):
+                await cold
+            await _stays_stopped(h, "m")
 
     run(scenario())
