@@ -150,8 +150,9 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         daemon = request.app[key]
         job = job_of(request)
         daemon.pulls.cancel(job.id)
-        # Until its file is closed: a pull started right after may take the same part.
-        await asyncio.shield(daemon.pulls.wait(job.id))
+        # Until its file is closed: a pull started right after may take the same part. (A
+        # client that hangs up stops waiting; the cancel goes on, as the puller's task.)
+        await daemon.pulls.wait(job.id)
         return web.json_response(job.as_dict())
 
     app.router.add_post("/admin/pull", start_pull)

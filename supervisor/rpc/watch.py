@@ -11,6 +11,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor.port import State
+from corral.supervisor.tasks import TaskScope
 
 if TYPE_CHECKING:
     from corral.supervisor.config.schema.rpc import PeerConfig
@@ -30,7 +31,7 @@ class WorkerReturnWatch:
         self._session = session
         self._rebalance = rebalance
         self._interval = interval
-        self._rebalancing: set[asyncio.Task[None]] = set()
+        self._rebalancing = TaskScope("rpc worker watch")  # rebalances it began
 
     async def run(self) -> None:
         try:
@@ -41,8 +42,7 @@ class WorkerReturnWatch:
                 except Exception:  # one bad round must not end the watch for good
                     log.exception("daemon.worker_watch_failed")
         finally:
-            for task in self._rebalancing:
-                task.cancel()
+            await self._rebalancing.close()
 
     async def _round(self) -> None:
         for inst in self._instances():
@@ -54,15 +54,7 @@ class WorkerReturnWatch:
             if back and inst.state is State.READY and not inst.busy:
                 log.info("daemon.rebalance", model=inst.name, back=back,
                          reason="a missing worker answers again")
-                task = asyncio.create_task(self._rebalance(inst.name),
-                                           name=f"rebalance:{inst.name}")
-                self._rebalancing.add(task)
-                task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._rebalancing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("daemon.rebalance_crashed", task=task.get_name(), exc_info=task.exception())
+                self._rebalancing.spawn(self._rebalance(inst.name), f"rebalance:{inst.name}")
 
     async def _answers(self, peer_name: str) -> bool:
         peer = self._peers().get(peer_name)
