@@ -282,3 +282,37 @@ def test_a_request_that_queued_before_an_unload_does_not_start_the_model_again(
             await _stays_stopped(h, "m")
 
     run(scenario())
+
+
+def test_a_switch_over_never_promotes_a_child_that_died_once_ready(tiny_models, tmp_path,
+                                                                   monkeypatch):
+    """e3e28ca: a switch-over promoted the new child without checking it was still ready:
+    one that died between its readiness and the switch took the model's name, and the old,
+    working child was drained away."""
+    from corral.supervisor.instance import Instance
+
+    models = _models(tiny_models, m={})
+    real_wait_ready = Instance.wait_ready
+
+    async def scenario() -> None:
+        async with running(config_text(models), tmp_path) as h:
+            await h.daemon.load("m")
+            old = h.inst("m")
+            old_pid = old.pid
+
+            async def ready_then_dead(self: Instance) -> None:
+                await real_wait_ready(self)
+                if self is h.daemon.herd.models["m"].incoming and self.pid is not None:
+                    os.kill(self.pid, signal.SIGKILL)
+                    await h.until(lambda: self.state is State.FAILED, what="the new one died")
+
+            monkeypatch.setattr(Instance, "wait_ready", ready_then_dead)
+            models["m"]["ctx"] = 1024
+            await h.reload(config_text(models))
+            await h.until(lambda: h.daemon.herd.models["m"].incoming is None, what="ended")
+            monkeypatch.undo()
+            assert h.inst("m") is old and old.state is State.READY and old.pid == old_pid, \
+                h.states()
+            assert "failed to start" in (old.last_error or ""), old.last_error
+
+    run(scenario())
