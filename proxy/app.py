@@ -27,6 +27,7 @@ from corral.proxy import (
 from corral.proxy.access import ADMIN
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.child_http import ChildPool
+from corral.proxy.edge import Edge
 from corral.proxy.errors import (
     ApiError,
     UpstreamFailed,
@@ -42,6 +43,7 @@ from corral.proxy.groups import GroupRunner
 from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
 from corral.proxy.validate import check_fields, check_messages, parse_json_object
+from corral.supervisor.config import split_listen
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
 from corral.supervisor.port import Supervisor
 
@@ -53,6 +55,7 @@ UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.Cli
 # The relay's own connections to children (groups and the prompt cache use UPSTREAM).
 CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
+EDGE: web.AppKey[Edge] = web.AppKey("edge", Edge)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Whether the response's head went out (a stream began): no second response after that.
 STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
@@ -61,18 +64,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 
-def create_app(daemon: Supervisor) -> web.Application:
+def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Application:
+    """`listen_host`: the address served (`serve --listen` may override the config's): a
+    Host header naming it is corral's own."""
     cfg = daemon.loaded.config
     accounting = Accounting(daemon)
+    edge = Edge(lambda: daemon.loaded.config,
+                listen_host if listen_host is not None else split_listen(cfg.listen)[0])
     app = web.Application(
         client_max_size=int(cfg.max_body_mb * 1024 * 1024),
         # Bodies arrive as sent: a Content-Encoding aiohttp cannot decode (br without Brotli)
         # would otherwise be refused below the middlewares, in plain text. read_json_body
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
-        middlewares=[_front_middleware(daemon, accounting)],
+        middlewares=[_front_middleware(daemon, accounting, edge)],
     )
     app[DAEMON] = daemon
+    app[EDGE] = edge
     app[ACCOUNTING] = accounting
     # Read per response: a reload's new client_write_timeout applies to the next ones.
     app[client_io.DEADLINE] = client_io.WriteDeadline(
@@ -111,18 +119,21 @@ async def _upstream_session(app: web.Application) -> Any:
 
 # -- middlewares -------------------------------------------------------------------------------
 
-def _front_middleware(daemon: Supervisor, accounting: Accounting) -> Any:
+def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) -> Any:
     """Every request's way in, outermost first: its id (X-Request-Id, bound to every log line),
     the accounting of a model request, answers in the OpenAI error shape for whatever goes
-    wrong, and the API keys. One aiohttp middleware rather than four: each costs a partial, a
-    coroutine and an await per request, and they have no order to change."""
+    wrong, the edge (Host, Origin, content type: proxy/edge.py) and the API keys. One aiohttp
+    middleware rather than five: each costs a partial, a coroutine and an await per request,
+    and they have no order to change."""
     ids = request_id.Ids()
     refused = _auth_check(daemon)
 
     async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             # Compared with None: a response is a mapping (its own state), falsy when empty.
-            denied = refused(request)
+            denied = edge.refusal(request)
+            if denied is None:
+                denied = refused(request)
             if denied is not None:
                 return denied
             return await handler(request)
@@ -154,6 +165,7 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
     # A signal, not the middleware: a streamed response sends its headers before the
     # handler returns.
     request[STARTED] = True
+    request.app[EDGE].add_cors(request, response)
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[request_id.HEADER] = rid

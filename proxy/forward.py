@@ -32,6 +32,11 @@ log = structlog.get_logger("corral.proxy")
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "content-length", "date", "server",
+    # Which web pages may read an answer is corral's to say (proxy/edge.py), never a child's:
+    # llama-server sends an empty Access-Control-Allow-Origin on every answer.
+    "access-control-allow-origin", "access-control-allow-credentials",
+    "access-control-allow-headers", "access-control-allow-methods",
+    "access-control-expose-headers", "access-control-max-age",
 })
 UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 # Failures that leave no doubt the child never began the request: the pooled connection was

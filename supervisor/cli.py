@@ -398,7 +398,7 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         # systemd's ExecReload sends SIGHUP. The reload is the daemon's task; the result goes
         # to its log and GET /admin/config.
         loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
-        runner = web.AppRunner(create_app(daemon), handler_cancellation=True, access_log=None,
+        runner = web.AppRunner(create_app(daemon, host), handler_cancellation=True, access_log=None,
                                shutdown_timeout=loaded.config.shutdown_grace)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -30,7 +30,8 @@ KEY = "fuzz-key"
 HI = [{"role": "user", "content": "hi"}]
 V1_POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/batch/execute",
             "/v1/chain/execute"]
-DOCUMENTED = {200, 400, 401, 404, 413, 429, 502, 503, 504}
+DOCUMENTED = {200, 400, 401, 404, 413, 415, 429, 502, 503, 504}
+JSON = {"Content-Type": "application/json"}
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # No shrinking: every example is a round trip to a real daemon, and shrinking one failure
 # takes minutes (past pytest's timeout, which would lose the example); it is reported as found.
@@ -319,7 +320,8 @@ PULL_FIELDS = {
 @settings(FUZZ, max_examples=300)
 @given(body=st.fixed_dictionaries({}, optional=PULL_FIELDS) | json_values)
 def test_admin_pull_with_hostile_bodies(corral: Corral, body: Any) -> None:
-    resp = seen(corral.http.post("/admin/pull", content=json.dumps(body).encode()))
+    resp = seen(corral.http.post("/admin/pull", content=json.dumps(body).encode(),
+                                 headers=JSON))
     check(resp, also=frozenset({202, 409}))
     if resp.status_code == 202:  # accepted: a real URL, checked names; it fails on its own
         assert resp.json()["file"].endswith(".gguf") and "/" not in resp.json()["file"]
@@ -336,7 +338,7 @@ def test_any_post_path_under_v1_and_the_router_api(corral: Corral, path: list[st
     raw = json.dumps(body).encode()
     tail = "/".join(quote(p, safe="%") for p in path)
     for url in (f"/v1/{tail}", "/models/load", "/models/unload"):
-        resp = seen(corral.http.post(url, content=raw))
+        resp = seen(corral.http.post(url, content=raw, headers=JSON))
         check(resp, also=frozenset({405}))
 
 
@@ -359,7 +361,8 @@ def test_read_endpoints_with_hostile_queries(corral: Corral, kinds: str | None,
 
 
 def test_the_measured_shapes_and_the_daemon_after_all_that(corral: Corral) -> None:
-    deep = corral.http.post("/v1/chat/completions", content=b"[" * 100_000)
+    deep = corral.http.post("/v1/chat/completions", content=b"[" * 100_000,
+                            headers={"Content-Type": "application/json"})
     check(deep)
     assert deep.status_code == 400
     chained = corral.http.post("/v1/chain/execute", json={"messages": ["x"], "group": "pipe"})

@@ -45,12 +45,14 @@ def test_malformed_bodies_are_400_in_the_openai_shape(start_corral, tiny_models)
     deep = post("/v1/chat/completions", content=b"[" * 100_000,
                 headers={"Content-Type": "application/json"})
     assert assert_openai_error(deep, 400)["code"] == "invalid_json"
-    nested_object = post("/v1/chat/completions", content=b'{"a":' * 70 + b"1" + b"}" * 70)
+    nested_object = post("/v1/chat/completions", content=b'{"a":' * 70 + b"1" + b"}" * 70,
+                         headers={"Content-Type": "application/json"})
     assert "nested more than" in assert_openai_error(nested_object, 400)["message"]
     huge_int = b'{"model": 1' + b"0" * 5000 + b"}"
     for raw in (b'{"model": "tiny-a", "x": NaN}', b"\xff\xfe{}", huge_int):
-        assert assert_openai_error(post("/v1/chat/completions", content=raw), 400)["code"] == (
-            "invalid_json")
+        refused = post("/v1/chat/completions", content=raw,
+                       headers={"Content-Type": "application/json"})
+        assert assert_openai_error(refused, 400)["code"] == "invalid_json"
 
     not_objects = post("/v1/chain/execute", json={"models": ["tiny-a"], "messages": ["x"]})
     assert assert_openai_error(not_objects, 400)["param"] == "messages[0]"
@@ -71,7 +73,7 @@ def test_malformed_bodies_are_400_in_the_openai_shape(start_corral, tiny_models)
     bad_tools = corral.chat("tiny-a", max_tokens=2, tools="not a list")
     assert assert_openai_error(bad_tools, 400)["param"] == "tools"
     compressed = post("/v1/chat/completions", content=b"\x1f\x8b garbage",
-                      headers={"Content-Encoding": "gzip"})
+                      headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
     assert assert_openai_error(compressed, 400)["code"] == "unsupported_content_encoding"
 
     assert {m["state"] for m in corral.models().values()} == {"stopped"}  # nothing started

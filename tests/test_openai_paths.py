@@ -195,7 +195,8 @@ def test_router_endpoints_refuse_bad_input_in_the_openai_shape(corral):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     missing = corral.http.post("/models/unload", json={})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
-    garbage = corral.http.post("/models/load", content=b"{nope")
+    garbage = corral.http.post("/models/load", content=b"{nope",
+                               headers={"Content-Type": "application/json"})
     assert garbage.status_code == 400
     # Open WebUI calls them with its API key, like /v1; without one they are closed.
     assert httpx.get(corral.url + "/models").status_code == 401

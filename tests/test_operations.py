@@ -144,7 +144,8 @@ def test_requests_are_counted_by_model_endpoint_and_status_with_bounded_labels(c
     assert corral.chat("tiny-b", max_tokens=2).status_code == 200
     hostile = 'x"} 1\ncorral_evil{a="'
     assert corral.chat(hostile).status_code == 404
-    assert corral.http.post("/v1/chat/completions", content=b"{not json").status_code == 400
+    assert corral.http.post("/v1/chat/completions", content=b"{not json",
+                            headers={"Content-Type": "application/json"}).status_code == 400
     assert corral.http.post("/v1/made/up/path", json={"model": "tiny-b"}).status_code == 404
     after = metrics(corral)
 

@@ -29,6 +29,14 @@ class Config(BaseModel):
     admin_api_keys: list[SecretStr] = []
     admin_open: bool = Field(
         False, description="allow /admin without keys on a non-loopback listen address")
+    allowed_origins: list[str] = Field(
+        [], description="web pages (origins, \"http://host:port\") whose requests corral "
+        "answers, with CORS; \"*\" for any. Default: none besides corral's own status page "
+        "(like Ollama's OLLAMA_ORIGINS)")
+    allowed_hosts: list[str] = Field(
+        [], description="names corral answers to besides IP addresses, localhost, its "
+        "listen address and this machine's hostname: \"name\", \".example.com\" for its "
+        "subdomains, \"*\" for any (a DNS-rebinding guard)")
     max_body_mb: float = Field(32, gt=0)
     shutdown_grace: float = Field(30, ge=0)
     client_write_timeout: float = Field(

@@ -1,0 +1,163 @@
+"""The edge: what a web page in the user's browser may make corral do. Nothing, by default.
+
+corral listens on 127.0.0.1 without keys, and any page the user opens can send requests there.
+A "simple" cross-origin POST (text/plain, `mode: "no-cors"`) needs no preflight: it reaches
+corral and acts, though the page cannot read the answer. DNS rebinding (a name of the
+attacker's that resolves to 127.0.0.1) makes the page same-origin with corral, so it can read
+too. Ollama fixed the same class (CVE-2024-28224) with a Host check and an origin allow-list
+(OLLAMA_ORIGINS); Jupyter checks Host and Origin by default. corral does both:
+
+- **Host**: an IP literal, a loopback name (localhost, *.localhost), the listen address, this
+  machine's hostname, or an `allowed_hosts` entry ("name", ".suffix" for its subdomains, or
+  "*"); else 403 `host_not_allowed`. A rebinding attack needs a name, and names are refused.
+- **Origin**: a request a browser sends from another origin carries `Origin`; one not in
+  `allowed_origins` (exact "scheme://host[:port]", or "*") is refused (403
+  `origin_not_allowed`) on every method that changes state and on /v1, /admin, /models and
+  /peer, whatever the method. corral's own status page is same-origin and unaffected.
+- **Content-Type**: a body sent to corral's JSON routes must say `application/json` (415
+  `unsupported_media_type`): the content types a page may send without a preflight never pass.
+- **CORS** only for `allowed_origins`: preflights answered (204), answers carry
+  `Access-Control-Allow-Origin` for that origin; a child's own CORS headers are never relayed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from corral.proxy.errors import error_response
+from corral.supervisor.config import Config
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The routes that act or read what runs: cross-origin requests never reach them.
+GUARDED_PREFIXES = ("/v1/", "/admin", "/models", "/peer", "/metrics")
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
+                            "ip6-loopback"})
+ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
+ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
+EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
+
+
+class Edge:
+    def __init__(self, config: Callable[[], Config], listen_host: str):
+        self._config = config  # the config in force (a reload's lists apply at once)
+        self._own_names = frozenset(
+            name.lower().rstrip(".") for name in (listen_host, socket.gethostname()) if name)
+
+    # -- Host ----------------------------------------------------------------------------------
+
+    def host_allowed(self, host: str | None) -> bool:
+        if not host:
+            return True  # HTTP/1.0 without Host: no browser sends that
+        name = _hostname(host)
+        if name is None:
+            return False
+        if _is_ip(name) or name in LOOPBACK_NAMES or name.endswith(".localhost") \
+                or name in self._own_names:
+            return True
+        for entry in self._config().allowed_hosts:
+            entry = entry.lower().rstrip(".")
+            if entry == "*" or name == entry or (entry.startswith(".") and (
+                    name.endswith(entry) or name == entry[1:])):
+                return True
+        return False
+
+    # -- Origin --------------------------------------------------------------------------------
+
+    def origin_allowed(self, origin: str) -> bool:
+        """An origin that `allowed_origins` lets through (not the same origin: see
+        cross_origin)."""
+        allowed = self._config().allowed_origins
+        return "*" in allowed or origin.rstrip("/") in {o.rstrip("/") for o in allowed}
+
+    @staticmethod
+    def cross_origin(request: web.Request) -> str | None:
+        """The request's Origin when it is another origin than corral's (None: no Origin, or
+        the same host and port, whatever the scheme a TLS proxy in front adds)."""
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        parts = urlsplit(origin)
+        if origin != "null" and parts.netloc and request.host \
+                and parts.netloc.lower() == request.host.lower():
+            return None
+        return origin
+
+    # -- the check -----------------------------------------------------------------------------
+
+    def refusal(self, request: web.Request) -> web.StreamResponse | None:
+        """None when `request` may go on; else the answer (a refusal, or a preflight's)."""
+        if not self.host_allowed(request.headers.get("Host")):
+            return error_response(403, f"Host {request.headers.get('Host', '')[:100]!r} is not "
+                                  "one corral answers to: add it to allowed_hosts in the config "
+                                  "to reach corral under that name", kind="permission_error",
+                                  code="host_not_allowed")
+        origin = self.cross_origin(request)
+        if origin is not None:
+            allowed = self.origin_allowed(origin)
+            if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+                return self._preflight(request, origin) if allowed else _origin_refused(origin)
+            if not allowed and (request.method not in SAFE_METHODS
+                                or request.path.startswith(GUARDED_PREFIXES)):
+                return _origin_refused(origin)
+        if request.method == "POST" and _has_body(request) \
+                and request.path.startswith(GUARDED_PREFIXES) \
+                and request.content_type != "application/json":
+            return error_response(415, f"a request body here is JSON: send it with "
+                                  f"Content-Type: application/json (not "
+                                  f"{request.content_type[:60]!r})",
+                                  code="unsupported_media_type")
+        return None
+
+    def _preflight(self, request: web.Request, origin: str) -> web.Response:
+        asked = request.headers.get("Access-Control-Request-Headers")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Origin": origin,
+            "Access-Control-Allow-Methods": ALLOWED_METHODS,
+            "Access-Control-Allow-Headers": asked or ALLOWED_HEADERS,
+            "Access-Control-Max-Age": "600",
+            "Vary": "Origin",
+        })
+
+    def add_cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """An answer to an allowed origin says so (the browser lets the page read it)."""
+        origin = self.cross_origin(request)
+        if origin is not None and self.origin_allowed(origin):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+            response.headers.add("Vary", "Origin")
+
+
+def _origin_refused(origin: str) -> web.Response:
+    return error_response(403, f"requests from the web page at {origin[:100]!r} are refused: "
+                          "add its origin to allowed_origins in the config to let it use "
+                          "corral", kind="permission_error", code="origin_not_allowed")
+
+
+def _has_body(request: web.Request) -> bool:
+    return (request.content_length or 0) > 0 or "chunked" in request.headers.get(
+        "Transfer-Encoding", "").lower()
+
+
+def _hostname(host: str) -> str | None:
+    """The name in a Host header, without its port (None: not a host at all)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else None
+    name, _, port = host.rpartition(":") if host.count(":") == 1 else (host, "", "")
+    if port and not port.isdigit():
+        return None
+    return name.rstrip(".") or None
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,293 @@
+"""The edge on a real corral: no web page can drive it (Host, Origin, content type), in a real
+headless Chromium too (pages from other origins, a DNS-rebinding-style read), and the
+configured origins get proper CORS. Then hypothesis throws Host, Origin, Content-Type, key
+and path combinations at it: no state changes without the right key and origin."""
+
+from __future__ import annotations
+
+import http.server
+import shutil
+import socketserver
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from playwright.sync_api import Browser, sync_playwright
+
+from conftest import Corral, CorralFactory, free_port, tiny_config, wait_until
+
+ADMIN = "edge-admin"
+USER = "edge-user"
+FRIEND_PORT = free_port()  # a web app the operator allows
+EVIL_PORT = free_port()  # any other page the user happens to open
+FRIEND = f"http://127.0.0.1:{FRIEND_PORT}"
+# A source that fails at once if a pull ever starts (a server that answers 404).
+MISSING_PORT = free_port()
+SOURCE = f"http://127.0.0.1:{MISSING_PORT}/x.gguf"
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Corral:
+    # An empty folder to pull into: a pull that starts shows in /admin/pulls.
+    pulled = tmp_path_factory.mktemp("pulled")
+    config = tiny_config(tiny_models, ["tiny-a", "tiny-b"], api_keys=[USER],
+                         models_dir=str(pulled),
+                         admin_api_keys=[ADMIN], allowed_origins=[FRIEND],
+                         allowed_hosts=[".corral.test"])
+    corral = start_corral_module(config, api_key=ADMIN)
+    corral.expect("pull.failed", "pull.retry")
+    return corral
+
+
+@pytest.fixture(scope="module", autouse=True)
+def missing_file() -> Iterator[None]:
+    server = _serve(MISSING_PORT, "", status=404)
+    yield
+    server.shutdown()
+    server.server_close()
+
+
+def _pulls(corral: Corral) -> int:
+    return len(corral.http.get("/admin/pulls").json()["pulls"])
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    error: dict[str, Any] = resp.json()["error"]
+    return error
+
+
+def test_a_foreign_host_is_refused_and_corrals_own_names_are_not(corral: Corral) -> None:
+    port = corral.url.rsplit(":", 1)[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                 f"localhost.evil.example:{port}"):
+        error = _error(corral.http.get("/v1/models", headers={"Host": host}), 403)
+        assert error["code"] == "host_not_allowed" and "allowed_hosts" in error["message"]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "10.1.2.3",
+                 f"app.localhost:{port}", f"box.corral.test:{port}", "corral.test"):
+        assert corral.http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_cross_origin_requests_are_refused_and_nothing_happens(corral: Corral) -> None:
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    before = _pulls(corral)
+    evil = {"Origin": f"http://127.0.0.1:{EVIL_PORT}", "Content-Type": "application/json"}
+    for path, body in (("/admin/pull", {"source": SOURCE}),
+                       ("/admin/models/tiny-a/unload", None),
+                       ("/v1/chat/completions", {"model": "tiny-a", "messages": [
+                           {"role": "user", "content": "hi"}], "max_tokens": 1})):
+        resp = corral.http.post(path, json=body, headers=evil)
+        error = _error(resp, 403)
+        assert error["code"] == "origin_not_allowed" and "allowed_origins" in error["message"]
+        assert "access-control-allow-origin" not in resp.headers
+    # A read of what runs, too (its answer would be hidden by the browser, but not its cost).
+    assert _error(corral.http.get("/admin/models", headers=evil), 403)["code"] == \
+        "origin_not_allowed"
+    assert _pulls(corral) == before
+    assert corral.model("tiny-a")["state"] == "ready"
+
+
+def test_a_body_must_say_it_is_json(corral: Corral) -> None:
+    before = _pulls(corral)
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        resp = corral.http.post("/admin/pull", content=b'{"source": "%s"}' % SOURCE.encode(),
+                                headers=headers)
+        assert _error(resp, 415)["code"] == "unsupported_media_type", content_type
+    assert _pulls(corral) == before
+
+
+def test_a_configured_origin_gets_cors_and_a_childs_own_cors_header_never_passes(
+        corral: Corral) -> None:
+    preflight = httpx.options(corral.url + "/v1/chat/completions", headers={
+        "Origin": FRIEND, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == FRIEND
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == "authorization,content-type"
+    refused = httpx.options(corral.url + "/v1/chat/completions", headers={
+        "Origin": f"http://127.0.0.1:{EVIL_PORT}", "Access-Control-Request-Method": "POST"})
+    assert refused.status_code == 403
+    answer = corral.http.post("/v1/chat/completions", headers={"Origin": FRIEND}, json={
+        "model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert answer.status_code == 200
+    assert answer.headers.get_list("access-control-allow-origin") == [FRIEND]
+    # Without an Origin: no CORS header at all (llama-server's empty one is not relayed).
+    plain = corral.chat("tiny-a", max_tokens=1)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_the_operator_and_corrals_own_page_still_may(corral: Corral) -> None:
+    """The positive control of the refusals above (and of the fuzz below): the same pull,
+    from a non-browser client or from corral's own origin, starts."""
+    own = corral.url.removeprefix("http://")
+    for origin in (None, f"http://{own}"):
+        before = _pulls(corral)
+        headers = {"Origin": origin} if origin else {}
+        resp = corral.http.post("/admin/pull", json={"source": SOURCE}, headers=headers)
+        assert resp.status_code == 202, resp.text
+        assert _pulls(corral) == before + 1
+        wait_until(lambda: corral.http.get("/admin/pulls").json()["pulls"][-1]["state"]
+                   != "running", timeout=10)
+
+
+# -- a real browser --------------------------------------------------------------------------
+
+ATTACK = """<!doctype html><script>
+const corral = "%(corral)s";
+async function attack() {
+  const tries = [
+    [corral + "/admin/pull", '{"source": "%(source)s"}'],
+    [corral + "/admin/models/tiny-a/unload", ""],
+    [corral + "/v1/chat/completions",
+     '{"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'],
+  ];
+  for (const [url, body] of tries) {
+    try { await fetch(url, {method: "POST", mode: "no-cors", body}); } catch (e) {}
+    try {
+      await fetch(url, {method: "POST", mode: "no-cors", body: new Blob([body])});
+    } catch (e) {}
+  }
+  window.done = true;
+}
+attack();
+</script>"""
+
+FRIENDLY = """<!doctype html><script>
+const corral = "%(corral)s";
+async function use() {
+  const models = await (await fetch(corral + "/v1/models",
+      {headers: {"Authorization": "Bearer %(key)s"}})).json();
+  const chat = await fetch(corral + "/v1/chat/completions", {method: "POST",
+      headers: {"Authorization": "Bearer %(key)s", "Content-Type": "application/json"},
+      body: JSON.stringify({model: "tiny-a", max_tokens: 1,
+                            messages: [{role: "user", content: "hi"}]})});
+  window.result = {models: models.data.map(m => m.id), chat: chat.status};
+}
+use().catch(e => { window.result = {error: String(e)}; });
+</script>"""
+
+
+def _serve(port: int, html: str, status: int = 200) -> socketserver.TCPServer:
+    body = html.encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    socketserver.TCPServer.allow_reuse_address = True
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def browser(corral: Corral) -> Iterator[Browser]:
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+            # rebind.test: a name of the attacker's that resolves to 127.0.0.1 (rebinding).
+            args=["--no-sandbox", "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
+        yield chromium
+        chromium.close()
+
+
+def test_pages_from_other_origins_cannot_drive_corral_in_a_real_browser(
+        corral: Corral, browser: Browser) -> None:
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    pid, pulls = corral.model("tiny-a")["pid"], _pulls(corral)
+    served = len(corral.http.get("/admin/requests").json()["requests"])
+    evil = _serve(EVIL_PORT, ATTACK % {"corral": corral.url, "source": SOURCE})
+    try:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(f"http://127.0.0.1:{EVIL_PORT}/")
+        page.wait_for_function("window.done === true", timeout=15_000)
+        # And a page that DNS rebinding made corral's own origin: it may not even load.
+        rebound = page.goto(corral.url.replace("127.0.0.1", "rebind.test") + "/admin/models")
+        assert rebound is not None and rebound.status == 403
+        assert "host_not_allowed" in (rebound.text() or "")
+        context.close()
+    finally:
+        evil.shutdown()
+        evil.server_close()
+    assert _pulls(corral) == pulls, "a web page started a pull"
+    assert corral.model("tiny-a")["state"] == "ready" and corral.model("tiny-a")["pid"] == pid
+    requests = corral.http.get("/admin/requests").json()["requests"]
+    assert len([r for r in requests if r.get("status") == 200]) == \
+        len([r for r in requests[:served] if r.get("status") == 200]), requests[served:]
+
+
+def test_the_configured_origin_works_in_a_real_browser(corral: Corral,
+                                                        browser: Browser) -> None:
+    friend = _serve(FRIEND_PORT, FRIENDLY % {"corral": corral.url, "key": USER})
+    try:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(FRIEND + "/")
+        page.wait_for_function("window.result !== undefined", timeout=30_000)
+        result = page.evaluate("window.result")
+        context.close()
+    finally:
+        friend.shutdown()
+        friend.server_close()
+    assert result == {"models": ["tiny-a", "tiny-b"], "chat": 200}, result
+
+
+# -- fuzz --------------------------------------------------------------------------------------
+
+HOSTS = st.sampled_from(["{host}", "localhost:{port}", "evil.example", "rebind.test:{port}",
+                         "box.corral.test", "127.0.0.1.nip.io:{port}"])
+ORIGINS = st.sampled_from([None, "null", FRIEND, f"http://127.0.0.1:{EVIL_PORT}",
+                           "http://{host}", "https://{host}", "http://evil.example"])
+TYPES = st.sampled_from([None, "application/json", "text/plain",
+                         "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                         "application/json; charset=utf-8"])
+KEYS = st.sampled_from([None, USER, ADMIN, "wrong"])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(host=HOSTS, origin=ORIGINS, content_type=TYPES, key=KEYS,
+       path=st.sampled_from(["/admin/pull", "/admin/pull/", "/admin/pulls"]))
+def test_no_state_changes_without_the_right_key_and_origin(
+        corral: Corral, host: str, origin: str | None, content_type: str | None,
+        key: str | None, path: str) -> None:
+    own = corral.url.removeprefix("http://")
+    port = own.rsplit(":", 1)[1]
+    headers = {"Host": host.format(host=own, port=port)}
+    if origin is not None:
+        headers["Origin"] = origin.format(host=own)
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    before = _pulls(corral)
+    resp = httpx.post(corral.url + path, content=b'{"source": "%s"}' % SOURCE.encode(),
+                      headers=headers)
+    assert resp.status_code < 500, resp.text
+    started = _pulls(corral) > before
+    sent_origin = headers.get("Origin")
+    # The same origin is the same host and port as the Host header, whatever the scheme.
+    same = sent_origin is not None and sent_origin.split("://", 1)[-1] == headers["Host"]
+    legit = (headers["Host"] in (own, f"localhost:{port}", "box.corral.test")
+             and (sent_origin is None or sent_origin == FRIEND or same)
+             and (content_type or "").startswith("application/json")
+             and key == ADMIN and path == "/admin/pull")
+    assert started == legit, (headers, path, resp.status_code, resp.text[:200])
+    if started:
+        wait_until(lambda: corral.http.get("/admin/pulls").json()["pulls"][-1]["state"]
+                   != "running", timeout=10)
