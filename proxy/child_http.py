@@ -45,7 +45,14 @@ class ChildHttpError(Exception):
 
 
 class NotBegun(ChildHttpError):
-    """No byte of an answer came: the request may be sent again while the child is alive."""
+    """Nothing of the request can have been processed: the connection could not be made
+    (`sent` False), or a kept-alive connection from the pool closed with no byte of an answer
+    (`sent` True: the child closed it idle as the request went out, as cpp-httplib does after
+    5 s or 100 requests). Sent again only while nothing says the child did the work."""
+
+    def __init__(self, message: str, sent: bool = False):
+        super().__init__(message)
+        self.sent = sent
 
 
 class Silent(ChildHttpError):
@@ -350,6 +357,8 @@ class _Connection(asyncio.Protocol):
         self.response: ChildResponse | None = None
         self.idle_since = 0.0
         self.closed = False
+        self.reused = False  # taken from the pool for this request (not made for it)
+        self._interim = False  # the message being parsed is a 1xx interim answer
         self._paused = False
 
     # -- asyncio ------------------------------------------------------------------------------
@@ -380,9 +389,14 @@ class _Connection(asyncio.Protocol):
         response = self.response
         if response is None or response._done:
             return
-        if not response.got_bytes:
-            response._fail(NotBegun("the connection closed before the answer began"
-                                    if exc is None else f"{exc}"))
+        if not response.got_bytes and self.reused:
+            response._fail(NotBegun("the kept-alive connection closed before the answer began"
+                                    if exc is None else f"{exc}", sent=True))
+        elif not response.got_bytes:
+            # A new connection that took the request and closed: it may have done the work
+            # (a paid request), so it is never sent again.
+            response._fail(Broken("the connection closed after the request was sent, before "
+                                  "any answer" if exc is None else f"{exc}"))
         elif response.status and response.until_eof and exc is None:
             response._complete(keep_alive=False)
         else:
@@ -396,14 +410,31 @@ class _Connection(asyncio.Protocol):
             self.response.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.response is not None:
-            self.response._headed(self.parser.get_status_code())
+        response = self.response
+        if response is None:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): never the answer. Its headers
+            # go; the final answer follows on the same connection. 101 would switch protocols,
+            # which a relay of HTTP answers cannot follow.
+            response.headers.clear()
+            self._interim = True
+            if status == 101:
+                response._fail(Broken("the child switched protocols (101)"))
+                self.close()
+            return
+        self._interim = False
+        response._headed(status)
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False  # the interim answer ended; the final one comes next
+            return
         if self.response is not None:
             self.response._complete(self.parser.should_keep_alive())
 
@@ -480,6 +511,7 @@ class ChildPool:
         while idle:
             conn = idle.pop()  # the most recent first: the least likely to be closed
             if not conn.closed and conn.idle_since > fresh:
+                conn.reused = True
                 return conn
             conn.close()
         return None

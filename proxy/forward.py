@@ -174,7 +174,9 @@ async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body:
                 f"{model} sent no response within {lease.first_byte_timeout:g}s "
                 "(first_byte_timeout)") from exc
         except NotBegun as exc:
-            if attempt < 3 and lease.child_alive():
+            # A remote's POST that reached it may have been done (and paid for): never sent
+            # twice. A child of corral's closes idle kept-alive connections itself.
+            if attempt < 3 and lease.child_alive() and not (exc.sent and lease.pid is None):
                 log.info("upstream.retry", model=model, attempt=attempt, error=str(exc))
                 continue
             raise UpstreamFailed(f"{model} dropped the request: {exc}") from exc

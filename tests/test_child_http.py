@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from corral.proxy.child_http import _HIGH, ChildPool, NotBegun, Silent
+from corral.proxy.child_http import _HIGH, Broken, ChildPool, NotBegun, Silent
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -293,6 +293,66 @@ def test_pump_raises_what_the_sink_raised_for_a_client_gone() -> None:
             answer.close()
             await hung_up.wait()  # the child's writes fail: it saw the hang-up
         assert answer._conn.closed and sent[0] < 100000
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_an_interim_answer_is_never_taken_for_the_answer() -> None:
+    """A child that sends 103 Early Hints (or 100 Continue) before its 200: the request gets its
+    200 and body, and the next request on the same kept-alive connection gets its own answer
+    (before: the 103 was the answer, and the next request got the first one's)."""
+    async def main() -> None:
+        connections = 0
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            while True:
+                try:
+                    request = await _read_request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                name = b"A" if b'"A"' in request else b"B"
+                writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x.css>; rel=preload\r\n\r\n")
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the final answer in a later packet, as it comes
+                writer.write(_answer(b'{"for": "%s"}' % name))
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        for name in ("A", "B", "A"):
+            answer = await pool.post(url, "/v1/x", {}, b'{"who": "%s"}' % name.encode())
+            assert answer.status == 200, answer.status
+            assert dict(answer.headers).get(b"Link") is None  # the interim's headers are gone
+            assert await answer.read() == b'{"for": "%s"}' % name.encode()
+            answer.release()
+        assert connections == 1  # all three on one kept-alive connection
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_new_connection_closed_after_the_request_is_broken_not_begun() -> None:
+    """The child (a remote) read the request, perhaps did the work, and closed without a byte:
+    Broken, which nothing sends again (NotBegun is only for a kept-alive connection)."""
+    async def main() -> None:
+        seen = 0
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal seen
+            await _read_request(reader)
+            seen += 1
+            writer.close()
+
+        server, url = await _serve(handler)
+        pool = ChildPool()
+        with pytest.raises(Broken) as broke:
+            await pool.post(url, "/v1/x", {}, b"{}")
+        assert not isinstance(broke.value, NotBegun) and seen == 1
         pool.close()
         server.close()
 

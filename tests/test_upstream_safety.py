@@ -1,0 +1,119 @@
+"""What a hostile or broken upstream can do through the relay, on a real corral with remote
+models in front of small servers that misbehave on purpose: an interim answer before the
+real one (one client's answer must never reach another), and a POST the upstream took and
+then dropped (never sent twice: it may have been done, and paid for)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Corral, CorralFactory, free_port, tiny_config
+
+
+class Upstream:
+    """A raw HTTP/1.1 server in a thread: `behaviour` answers each request (its body) with the
+    bytes to send, or None to close the connection without a byte."""
+
+    def __init__(self, behaviour: Any):
+        self.port = free_port()
+        self.behaviour = behaviour
+        self.requests: list[bytes] = []
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffered = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buffered:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buffered += chunk
+                head, _, buffered = buffered.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(buffered) < length:
+                    buffered += conn.recv(65536)
+                body, buffered = buffered[:length], buffered[length:]
+                self.requests.append(body)
+                for part in self.behaviour(body) or ():
+                    if part is None:
+                        return  # close without (more of) an answer
+                    conn.sendall(part)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _chat(content: str) -> bytes:
+    import json
+    body = json.dumps({"id": "x", "object": "chat.completion", "model": "far", "choices": [
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": content}}]}).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _hints_first(body: bytes) -> list[bytes | None]:
+    who = "A" if b"for A" in body else "B"
+    return [b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+            _chat(f"answer for {who}")]
+
+
+def _took_it_and_left(_body: bytes) -> list[bytes | None]:
+    return [None]
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> Iterator[dict[str, Upstream]]:
+    made = {"hints": Upstream(_hints_first), "drops": Upstream(_took_it_and_left)}
+    yield made
+    for upstream in made.values():
+        upstream.close()
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
+           upstreams: dict[str, Upstream]) -> Corral:
+    config = tiny_config(tiny_models, ["tiny-a"])
+    for name, upstream in upstreams.items():
+        config["models"][name] = {"backend": "remote",
+                                  "url": f"http://127.0.0.1:{upstream.port}"}
+    corral = start_corral_module(config)
+    corral.expect("proxy.request_failed", "proxy.upstream_failed")
+    return corral
+
+
+def test_an_interim_answer_never_hands_one_clients_answer_to_another(
+        corral: Corral, upstreams: dict[str, Upstream]) -> None:
+    for _ in range(3):
+        for who in ("A", "B"):
+            resp = corral.chat("hints", content=f"for {who}")
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["message"]["content"] == f"answer for {who}"
+            assert "link" not in resp.headers  # the interim's headers are not the answer's
+
+
+def test_a_post_the_upstream_took_and_dropped_is_sent_once(
+        corral: Corral, upstreams: dict[str, Upstream]) -> None:
+    drops = upstreams["drops"]
+    before = len(drops.requests)
+    resp = corral.chat("drops", content="do the paid thing once")
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "upstream_failed", resp.text
+    assert len(drops.requests) - before == 1, "the POST was sent again"
