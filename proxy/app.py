@@ -305,14 +305,12 @@ def requested_model(body: dict[str, Any]) -> str:
 # signs, no query: a path that the client (or yarl) would normalise into another endpoint of
 # the child (/v1/../slots) never leaves corral.
 _RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
-# A child's endpoints that change it for every user, not answer one request.
-_NOT_RELAYED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 async def relay_openai(request: web.Request) -> web.StreamResponse:
     daemon = request.app[DAEMON]
     record = request[RECORD]
-    if not _RELAYABLE.fullmatch(request.path) or request.path in _NOT_RELAYED:
+    if not _RELAYABLE.fullmatch(request.path):
         raise web.HTTPNotFound()
     raw, body = await read_json_body(request)
     name = requested_model(body)
@@ -324,12 +322,14 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions",
                            "group_endpoint", param="model")
         return await chat_with_group(request, request.app[GROUPS], target.group, body)
+    canonical = record.model = target.name
+    spec = daemon.spec(canonical)
+    # Only what its backend serves (proxy/capabilities.py): a 404 before anything starts.
+    capabilities.refuse_path(spec, request.path)
     # What the child would choke on (some of it with a 500) is refused here, clearly.
     check_fields(body)
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
-    canonical = record.model = target.name
-    spec = daemon.spec(canonical)
     # Refused here, before anything starts: the child would answer 501 only after loading.
     capabilities.check(spec, request.path, body)
     filtered = filters.apply(body, spec.request, request.path)

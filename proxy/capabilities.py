@@ -9,8 +9,7 @@ from typing import Any
 from corral.proxy.errors import ApiError
 from corral.supervisor.config import ModelSpec
 
-# Paths corral knows; any other POST /v1/* naming a model goes to the child as it is (a
-# tokenizer, a new endpoint), and the child's own answer says whether it serves it.
+# What each capability's paths need; a model's backend decides which paths reach it at all.
 NEEDS: dict[str, str] = {
     "/v1/chat/completions": "chat",
     "/v1/responses": "chat",
@@ -24,6 +23,33 @@ NEEDS: dict[str, str] = {
 # The OpenAI paths corral answers POST on: the models' and its own groups'. Another method on
 # one is a client's mistake to name (405), and only these are metrics labels.
 POSTED = frozenset({*NEEDS, "/v1/batch/execute", "/v1/chain/execute"})
+# The POST /v1 paths each backend serves: only these (and a model's own `paths:`) reach a
+# model, for user and admin keys alike. Anything else is a 404 before anything starts: no
+# provider's fine-tuning, assistants or files API with the operator's key, no command child's
+# model or adapter loading, no cold start to relay a child's own 404.
+_COMMON = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                     "/v1/rerank"})
+SERVED: dict[str, frozenset[str]] = {
+    "llama-server": _COMMON | {"/v1/reranking"},
+    "vllm": _COMMON | {"/v1/score", "/v1/pooling", "/v1/classify"},
+    "remote": _COMMON,
+    "command": _COMMON,
+}
+
+
+def serves(spec: ModelSpec, path: str) -> bool:
+    return path in SERVED.get(spec.backend, _COMMON) or path in spec.paths
+
+
+def refuse_path(spec: ModelSpec, path: str) -> None:
+    """404 for a path the model's backend does not serve (nothing starts for it)."""
+    if not serves(spec, path):
+        raise ApiError(404, f"{path[:100]} is not served by {spec.name!r} (a {spec.backend} "
+                            f"model answers {', '.join(sorted(SERVED.get(spec.backend, _COMMON)))}"
+                            f"; `paths:` on the model adds more)", "unknown_path")
+
+
 # Content parts that carry an image, in the chat, Responses and Messages shapes.
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 

@@ -33,7 +33,7 @@ LIVE_FIELDS = frozenset({
     "health_failures", "start_backoff", "start_backoff_max",
     "replicas_min", "replicas_max", "scale_after",  # the daemon adds or retires children
     "kv_adaptive", "kv_hold",  # read by the sampler, not the child
-    "loading_progress", "request", "capabilities",  # read by the proxy
+    "loading_progress", "request", "capabilities", "paths",  # read by the proxy
 })
 
 # Read once, when `corral serve` starts (the listening socket, aiohttp's body limit, the pid

@@ -81,7 +81,8 @@ def _took_it_and_left(_body: bytes) -> list[bytes | None]:
 
 @pytest.fixture(scope="module")
 def upstreams() -> Iterator[dict[str, Upstream]]:
-    made = {"hints": Upstream(_hints_first), "drops": Upstream(_took_it_and_left)}
+    made = {"hints": Upstream(_hints_first), "drops": Upstream(_took_it_and_left),
+            "paid": Upstream(lambda _body: [_chat("done")])}
     yield made
     for upstream in made.values():
         upstream.close()
@@ -94,7 +95,10 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
     for name, upstream in upstreams.items():
         config["models"][name] = {"backend": "remote",
                                   "url": f"http://127.0.0.1:{upstream.port}"}
-    corral = start_corral_module(config)
+    config["models"]["paid"]["paths"] = ["/v1/tokenize"]  # what the operator adds
+    config["api_keys"] = ["user-key"]
+    config["admin_api_keys"] = ["admin-key"]
+    corral = start_corral_module(config, api_key="admin-key")
     corral.expect("proxy.request_failed", "proxy.upstream_failed")
     return corral
 
@@ -117,3 +121,31 @@ def test_a_post_the_upstream_took_and_dropped_is_sent_once(
     assert resp.status_code == 502, resp.text
     assert resp.json()["error"]["code"] == "upstream_failed", resp.text
     assert len(drops.requests) - before == 1, "the POST was sent again"
+
+
+@pytest.mark.parametrize("key", ["user-key", "admin-key"])
+def test_provider_paths_are_closed_to_every_key(corral: Corral, upstreams: dict[str, Upstream],
+                                                key: str) -> None:
+    """A user key (and an admin key: it widens nothing on /v1) naming a remote model on a
+    provider's path that is not an inference one: 404, and the remote sees nothing."""
+    paid = upstreams["paid"]
+    before = len(paid.requests)
+    for path in ("/v1/fine_tuning/jobs", "/v1/assistants", "/v1/files", "/v1/model/load",
+                 "/v1/lora/load", "/v1/load_lora_adapter"):
+        resp = corral.http.post(path, json={"model": "paid", "training_file": "x"},
+                                headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 404, (path, resp.text)
+        assert resp.json()["error"]["code"] == "unknown_path", resp.text
+    assert len(paid.requests) == before
+    # What the backend serves, and what the operator added, do reach it.
+    for path in ("/v1/chat/completions", "/v1/tokenize"):
+        resp = corral.http.post(path, json={"model": "paid", "messages": [
+            {"role": "user", "content": "hi"}]}, headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, (path, resp.text)
+    assert len(paid.requests) == before + 2
+
+
+def test_an_unknown_path_to_a_stopped_model_starts_nothing(corral: Corral) -> None:
+    resp = corral.http.post("/v1/fine_tuning/jobs", json={"model": "tiny-a"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_path"
+    assert corral.model("tiny-a")["state"] == "stopped"

@@ -143,6 +143,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
             and _inherit(m.prompt_cache, d.prompt_cache),
             capabilities=tuple(m.capabilities) if m.capabilities is not None else
             _capabilities(m),
+            paths=tuple(m.paths),
             request=m.request or d.request,
             mmproj=_absolute(m.mmproj, base_of(("models", name, "mmproj"))) if m.mmproj else None,
             replicas_min=replicas.min,

@@ -60,6 +60,7 @@ class ModelSpec:
     # Where llama-server saves and restores slots (--slot-save-path); set at a start.
     slot_save_path: Path | None = None
     capabilities: tuple[str, ...] = ("chat", "completion")
+    paths: tuple[str, ...] = ()  # POST /v1 paths it serves beyond its backend's
     request: RequestFilters | None = None  # applied by the proxy to every request's body
     mmproj: Path | None = None
     replicas_min: int = 1

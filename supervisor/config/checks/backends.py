@@ -48,11 +48,11 @@ _COMMAND_KEYS = {"backend", "command", "health", "served_name", "memory_mb", "st
                  "queue_timeout", "stop_grace", "first_byte_timeout", "idle_timeout",
                  "health_interval", "health_timeout", "health_failures", "start_backoff",
                  "start_backoff_max", "capabilities", "request", "loading_progress",
-                 "replicas", "model", "gpus"}
+                 "replicas", "model", "gpus", "paths"}
 # What a remote endpoint reads: no process, so no start, stop, health probe or memory keys.
 _REMOTE_KEYS = {"backend", "url", "api_key", "served_name", "aliases", "parallel",
                 "max_queue", "queue_timeout", "first_byte_timeout", "idle_timeout",
-                "capabilities", "request", "ttl", "model"}
+                "capabilities", "request", "ttl", "model", "paths"}
 # Flags today's llama-server no longer has, and what replaced them.
 _REMOVED_LLAMA_FLAGS = {
     "--mlock": "--load-mode mlock (or mmap+mlock)",

@@ -3,6 +3,7 @@ backend reads which is checks/backends.py's business)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -94,6 +95,9 @@ class ModelConfig(BaseModel):
         None, description="what it answers: chat, completion, embeddings, rerank, vision "
         "(default: from the model's settings: embeddings: true → embeddings (+ rerank with "
         "--reranking in args); else chat and completion, + vision with an mmproj)")
+    paths: list[str] = Field(
+        [], description="more POST /v1 paths this model serves, beyond its backend's (a "
+        "command child's /v1/tokenize, say): only these and the backend's own reach it")
     request: RequestFilters | None = Field(
         None, description="request defaults, overrides, stripped fields and a default system "
         "prompt (default: defaults.request)")
@@ -139,6 +143,15 @@ class ModelConfig(BaseModel):
     replicas: int | ReplicasConfig = Field(
         1, description="identical children behind this name (least busy first): a number, or "
         "{min, max, scale_after} to scale with the queue and back down on ttl")
+
+    @field_validator("paths")
+    @classmethod
+    def _check_paths(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not re.fullmatch(r"/v1(?:/[A-Za-z0-9_-]+)+", path):
+                raise ValueError(f"{path[:80]!r} is not a /v1 path (plain segments: "
+                                 f"/v1/tokenize)")
+        return value
 
     @field_validator("replicas")
     @classmethod
