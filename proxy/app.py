@@ -341,9 +341,14 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         record.leased(lease)
         # request.path was checked against _RELAYABLE above.
         response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record,
-                               parsed=_as_sent(body, canonical))
+                               parsed=_as_sent(body, canonical),
+                               answer_limit=_answer_limit(daemon))
     # A whole answer is written once the lease is back: a slow client holds no slot.
     return await client_io.send(request, _documented(response, canonical), canonical)
+
+
+def _answer_limit(daemon: Supervisor) -> int:
+    return int(daemon.loaded.config.max_answer_mb * 1024 * 1024)
 
 
 def _as_sent(body: dict[str, Any], canonical: str) -> dict[str, Any]:
@@ -362,7 +367,8 @@ async def _relay_after_progress(request: web.Request, model: str,
         async with leased(daemon, model, stream.acquire(daemon)) as lease:
             record.leased(lease)
             response = await relay(request, request.app[CHILDREN], raw, model, lease, record,
-                                   started=stream.out if stream.opened else None)
+                                   started=stream.out if stream.opened else None,
+                                   answer_limit=_answer_limit(daemon))
     except ConnectionResetError:
         raise  # the client is gone (or was cut off): nobody to tell, in a stream or not
     except (SupervisorError, UpstreamFailed) as exc:

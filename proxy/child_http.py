@@ -304,13 +304,19 @@ class ChildResponse:
             self._timer.cancel()
             self._timer = None
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; past `limit` bytes, Broken (the connection closed: the rest of an
+        endless answer is never read)."""
         parts: list[bytes] = []
+        size = 0
         while True:
             data = await self.chunk()
             if not data:
                 return b"".join(parts)
+            size += len(data)
+            if limit is not None and size > limit:
+                self.close()
+                raise Broken(f"its answer passed {limit} bytes (max_answer_mb)")
             parts.append(data)
 
     def release(self) -> None:

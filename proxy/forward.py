@@ -195,7 +195,8 @@ def _child_broken(model: str, exc: ChildHttpError, what: str) -> UpstreamFailed:
 async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, lease: Lease,
                 record: RequestRecord | None = None,
                 started: ClientWriter | None = None,
-                parsed: dict[str, Any] | None = None) -> web.StreamResponse:
+                parsed: dict[str, Any] | None = None,
+                answer_limit: int | None = None) -> web.StreamResponse:
     """POST `body` to the lease's child (at the request's path) and relay the answer. Raises
     UpstreamFailed before any byte of the answer was sent; after that, a broken child ends
     the stream with an SSE error event.
@@ -204,7 +205,8 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
     client_io.send once the lease is back.
     `record` takes the timings and token counts; `started`: an event stream already sent to
     the client (loading progress), which the child's stream continues; `parsed`: what
-    `body` parses to, when known."""
+    `body` parses to, when known; `answer_limit`: the bytes a whole answer may have (it is
+    held in memory: a bigger or endless one is a 502)."""
     upstream = await open_child(pool, request.path, model, lease, body,
                                 request.headers.get("Accept", "*/*"), parsed)
     if record is not None:
@@ -215,7 +217,7 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
             response = await _relay_stream(request, upstream, model, record, started, lease)
         else:
             try:
-                payload = await upstream.read()
+                payload = await upstream.read(answer_limit)
             except ChildHttpError as exc:
                 raise _child_broken(model, exc, "while answering") from exc
             if record is not None:

@@ -54,7 +54,10 @@ class Upstream:
                 for part in self.behaviour(body) or ():
                     if part is None:
                         return  # close without (more of) an answer
-                    conn.sendall(part)
+                    try:
+                        conn.sendall(part)
+                    except OSError:
+                        return  # corral hung up
 
     def close(self) -> None:
         self._server.close()
@@ -79,10 +82,18 @@ def _took_it_and_left(_body: bytes) -> list[bytes | None]:
     return [None]
 
 
+def _endless(_body: bytes) -> Iterator[bytes | None]:
+    """A 200 with no length that never ends (until corral hangs up)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n["
+    chunk = b'"' + b"x" * 65536 + b'",'
+    for _ in range(10_000):  # 640 MB at most: corral stops reading long before
+        yield chunk
+
+
 @pytest.fixture(scope="module")
 def upstreams() -> Iterator[dict[str, Upstream]]:
     made = {"hints": Upstream(_hints_first), "drops": Upstream(_took_it_and_left),
-            "paid": Upstream(lambda _body: [_chat("done")])}
+            "paid": Upstream(lambda _body: [_chat("done")]), "endless": Upstream(_endless)}
     yield made
     for upstream in made.values():
         upstream.close()
@@ -96,6 +107,7 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
         config["models"][name] = {"backend": "remote",
                                   "url": f"http://127.0.0.1:{upstream.port}"}
     config["models"]["paid"]["paths"] = ["/v1/tokenize"]  # what the operator adds
+    config["max_answer_mb"] = 2
     config["api_keys"] = ["user-key"]
     config["admin_api_keys"] = ["admin-key"]
     corral = start_corral_module(config, api_key="admin-key")
@@ -149,3 +161,11 @@ def test_an_unknown_path_to_a_stopped_model_starts_nothing(corral: Corral) -> No
     resp = corral.http.post("/v1/fine_tuning/jobs", json={"model": "tiny-a"})
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_path"
     assert corral.model("tiny-a")["state"] == "stopped"
+
+
+def test_a_whole_answer_past_max_answer_mb_is_a_502_not_a_daemon_full_of_it(
+        corral: Corral) -> None:
+    resp = corral.chat("endless")
+    assert resp.status_code == 502, resp.text[:300]
+    assert resp.json()["error"]["code"] == "upstream_failed", resp.text
+    assert corral.chat("paid").status_code == 200  # and corral serves on

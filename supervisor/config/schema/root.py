@@ -38,6 +38,9 @@ class Config(BaseModel):
         "listen address and this machine's hostname: \"name\", \".example.com\" for its "
         "subdomains, \"*\" for any (a DNS-rebinding guard)")
     max_body_mb: float = Field(32, gt=0)
+    max_answer_mb: float = Field(
+        64, gt=0, description="a whole (not streamed) answer of a child or remote is held in "
+        "memory up to this size; a bigger or endless one is a 502")
     shutdown_grace: float = Field(30, ge=0)
     client_write_timeout: float = Field(
         30, gt=0, description="seconds a write to a client may wait for the client to take "
