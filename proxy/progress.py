@@ -2,8 +2,9 @@
 load before the answer, instead of silence. Sent as `reasoning_content` deltas, which Open WebUI
 (and other clients of reasoning models) show as the model's thinking, apart from the answer.
 
-Honest about what corral knows: the state, the time so far, and the last line of the child's
-log; no made-up percentages."""
+Honest about what corral knows: the state and the time so far; no made-up percentages. Never
+the child's own log lines: what a child prints as it starts (paths, ports, a generated key)
+stays in the logs and /admin."""
 
 from __future__ import annotations
 
@@ -93,12 +94,10 @@ class ProgressStream:
 
     async def _report(self, daemon: Supervisor, task: asyncio.Future[Lease], sub: Subscription,
                       began: float, every: float) -> None:
-        """Open the stream and write a line a second until `task` is done: the state, the
-        time so far and, when it changed, the child's last log line (from the loader's own
-        ticks)."""
+        """Open the stream and write a line a second until `task` is done: the state and the
+        time so far (on the loader's own ticks)."""
         await self.open()
         await self.say(f"Loading {self.model}…\n")
-        last_line: str | None = None
         last_write = time.monotonic()
         while not task.done():
             waiter = asyncio.ensure_future(
@@ -115,21 +114,17 @@ class ProgressStream:
             except StopAsyncIteration:  # the bus closed: corral is stopping
                 await asyncio.wait([task])
                 return
-            line = None
-            if event is not None and event.data.get("model") == self.model \
-                    and event.kind == "load_progress":
-                line = event.data.get("log")
-            elif time.monotonic() - last_write < every:
+            ours = event is not None and event.data.get("model") == self.model \
+                and event.kind == "load_progress"
+            if not ours and time.monotonic() - last_write < every:
                 continue  # another model's event: the next line is due later
             try:
                 state = str(daemon.status(self.model).state)
             except UnknownModel:  # removed by a reload meanwhile
                 state = "waiting"
-            text = f"{state} {time.monotonic() - began:.0f} s"
-            if line and line != last_line:
-                text += f": {line.strip()[:200]}"
-                last_line = line
-            await self.say(text + "\n")
+            # The stage and the time, never the child's own log line: what a child prints as
+            # it starts (paths, ports, a generated key) stays in the logs and /admin.
+            await self.say(f"{state} {time.monotonic() - began:.0f} s\n")
             last_write = time.monotonic()
 
     async def fail(self, message: str, code: str) -> web.StreamResponse:

@@ -32,6 +32,8 @@ def test_a_start_that_crashes_ends_failed_not_wedged_in_starting(start_corral, t
     first = corral.http.post("/v1/chat/completions", json=_body("big", max_tokens=1))
     assert first.status_code in (502, 503), first.text
     assert first.json()["error"]["code"] in ("model_start_failed", "workers_unavailable")
+    # The path and the exception's text are the operator's: /admin and the log, not /v1.
+    assert str(tmp_path) not in first.text and "typo.gguf" not in first.text, first.text
     state = corral.model("big")
     assert state["state"] == "failed", state
     assert "typo.gguf" in (state["last_error"] or ""), state

@@ -17,6 +17,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor.backends.base import Backend, BinaryNotFound
+from corral.supervisor.backends.binaries import INSTALL_HINT
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.events import EventBus
@@ -90,8 +91,12 @@ class Launch:
                 self._log.exception("instance.start_crashed", pid=self._pid)
             if self.process is not None and self.process.pid is not None:
                 await stop_uncancellable(self.process)
-            raise StartFailed(f"{self._name}: start failed: {type(exc).__name__}: "
-                              f"{exc}") from exc
+            # What failed, in words a client may see; the path and the exception's text are
+            # the operator's (the log, /admin/models' last_error).
+            raise StartFailed(f"{self._name}: start failed ({type(exc).__name__}; the admin "
+                              f"view and the log say why)",
+                              for_operators=f"{self._name}: start failed: "
+                                            f"{type(exc).__name__}: {exc}") from exc
         finally:
             progress.cancel()
 
@@ -122,7 +127,8 @@ class Launch:
         except BinaryNotFound as exc:
             if deployment is not None:
                 await asyncio.shield(deployment.release())
-            raise StartFailed(str(exc)) from exc
+            raise StartFailed(f"{self._name}: its server's executable is missing; "
+                              f"{INSTALL_HINT}", for_operators=str(exc)) from exc
         env = {**self._backend.env(self.spec), **self._backend.auth_env(api_key)}
         process = ChildProcess(self._name, argv, env, keeper=self._keeper,
                                stop_signal=signal.Signals[self.spec.stop_signal]) \
@@ -141,7 +147,9 @@ class Launch:
         except OSError as exc:
             if deployment is not None:  # its workers must not outlive a head that never ran
                 await asyncio.shield(deployment.release())
-            raise StartFailed(f"cannot execute {argv[0]}: {exc.strerror or exc}") from exc
+            raise StartFailed(f"{self._name}: its server could not be executed",
+                              for_operators=f"cannot execute {argv[0]}: "
+                                            f"{exc.strerror or exc}") from exc
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.wait([spawning])
@@ -155,7 +163,7 @@ class Launch:
             if not last_try and self._backend.lost_port_race(exc.tail):
                 self._log.warning("instance.port_taken", port=port, pid=process.pid)
                 return None
-            raise StartFailed(str(exc), exc.tail) from exc
+            raise StartFailed(str(exc), exc.tail, for_operators=str(exc)) from exc
         except ChildStartTimeout as exc:
             # Killed first, failed after: a request in between must not find the model
             # FAILED (and restart it at once, beside a child still running).
