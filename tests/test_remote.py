@@ -194,6 +194,12 @@ def test_check_validates_command_and_remote_models(tmp_path: Path) -> None:
     assert "binary is not a setting of backend: remote" in out, out
     assert "a remote model needs `url`" in out, out
     assert "url is a command/remote setting" in out, out
+    refused = check({"models": {"far": {"backend": "remote",
+                                        "url": "https://user:s3cret@gateway.example/v1"}}},
+                    tmp_path)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "url carries credentials" in said and "api_key" in said
+    assert "s3cret" not in said, said
 
 
 def test_served_name_is_renamed_in_events_split_across_chunks() -> None:

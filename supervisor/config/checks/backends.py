@@ -165,6 +165,12 @@ def _check_foreign(m: ModelConfig, at: Loc, problem: Callable[[Loc, str], None])
             problem((*at, "url"), f"url must be http(s)://host[:port][/path], not {m.url!r}")
         elif url.query or url.fragment:
             problem((*at, "url"), "url is a base URL: no query and no fragment")
+        elif url.username is not None or url.password is not None:
+            # Userinfo is shown wherever the URL is (/admin/models, logs), and plain relays
+            # would drop it: a key belongs in `api_key:`, a secret corral never shows.
+            problem((*at, "url"), "url carries credentials (user:password@): they would show "
+                    "in /admin and the logs; put the key in `api_key:` (sent as "
+                    "Authorization: Bearer, never shown)")
 
 
 def _foreign_keys(m: ModelConfig, foreign: dict[str, str], at: Loc, own: str, other: str,
