@@ -88,7 +88,11 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
                 f"{model} sent no response within {limit:g}s (first_byte_timeout)"
                 if limit else f"{model} timed out: {exc}") from exc
         except _NOT_BEGUN as exc:
-            if attempt < 3 and lease is not None and lease.child_alive():
+            # A remote's request may have been done (and paid for) once it was written: sent
+            # again only when the connection was never made.
+            unsent = isinstance(exc, aiohttp.ClientConnectorError)
+            if attempt < 3 and lease is not None and lease.child_alive() \
+                    and (lease.pid is not None or unsent):
                 log.info("upstream.retry", model=model, attempt=attempt,
                          error=str(exc) or type(exc).__name__)
                 continue

@@ -108,10 +108,11 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
                                   "url": f"http://127.0.0.1:{upstream.port}"}
     config["models"]["paid"]["paths"] = ["/v1/tokenize"]  # what the operator adds
     config["max_answer_mb"] = 2
+    config["groups"] = {"pair": {"type": "parallel", "models": ["drops", "paid"]}}
     config["api_keys"] = ["user-key"]
     config["admin_api_keys"] = ["admin-key"]
     corral = start_corral_module(config, api_key="admin-key")
-    corral.expect("proxy.request_failed", "proxy.upstream_failed")
+    corral.expect("proxy.request_failed", "proxy.upstream_failed", "proxy.group_failed")
     return corral
 
 
@@ -169,3 +170,13 @@ def test_a_whole_answer_past_max_answer_mb_is_a_502_not_a_daemon_full_of_it(
     assert resp.status_code == 502, resp.text[:300]
     assert resp.json()["error"]["code"] == "upstream_failed", resp.text
     assert corral.chat("paid").status_code == 200  # and corral serves on
+
+
+def test_a_groups_call_to_a_remote_that_dropped_it_is_not_sent_again(
+        corral: Corral, upstreams: dict[str, Upstream]) -> None:
+    drops = upstreams["drops"]
+    before = len(drops.requests)
+    resp = corral.http.post("/v1/batch/execute", json={
+        "group": "pair", "messages": [{"role": "user", "content": "once"}], "max_tokens": 4})
+    assert resp.status_code in (200, 502), resp.text
+    assert len(drops.requests) - before == 1, "the group's POST was sent again"
