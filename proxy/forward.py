@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,8 @@ _HOP_BY_HOP = frozenset({
     "access-control-expose-headers", "access-control-max-age",
 })
 UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+# A whole answer held in memory, at most (the config's max_answer_mb, where callers pass it).
+DEFAULT_ANSWER_LIMIT = 64 * 1024 * 1024
 # Failures that leave no doubt the child never began the request: the pooled connection was
 # already closed by the child (cpp-httplib closes idle keep-alive connections after 5 s and
 # every connection after 100 requests), or the connection could not be made at all.
@@ -335,18 +338,27 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                    model: str, lease: Lease | None = None) -> dict[str, Any]:
-    """A whole (non-streamed) JSON answer from a child, for callers that need its content."""
+                    model: str, lease: Lease | None = None,
+                    limit: int = DEFAULT_ANSWER_LIMIT) -> dict[str, Any]:
+    """A whole (non-streamed) JSON answer from a child, for callers that need its content;
+    one past `limit` bytes is an UpstreamFailed (the connection closed)."""
     resp = await open_upstream(session, url, model, lease, json=payload,
                                headers={"Accept-Encoding": "identity"})
     try:
-        data = await resp.json(content_type=None)
+        raw = bytearray()
+        async for chunk in resp.content.iter_chunked(65536):
+            raw += chunk
+            if len(raw) > limit:
+                raise UpstreamFailed(f"{model}'s answer passed {limit} bytes (max_answer_mb)")
+        data = json.loads(raw) if raw else None
     except BaseException as exc:
         resp.close()  # cancelled or broken: make the child see the hang-up
         if isinstance(exc, UPSTREAM_BROKE):
             raise _broken(model, exc, "while answering") from exc
         if isinstance(exc, ValueError):
             raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
+        if isinstance(exc, UpstreamFailed):
+            raise
         raise
     resp.release()
     if resp.status != 200:

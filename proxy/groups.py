@@ -168,6 +168,10 @@ class GroupRunner:
         self.daemon = daemon
         self.session = session
 
+    def answer_limit(self) -> int:
+        """The bytes a member's whole answer may have (max_answer_mb, live)."""
+        return int(self.daemon.loaded.config.max_answer_mb * 1024 * 1024)
+
     # -- one member ----------------------------------------------------------------------------
 
     def body_for(self, model: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
@@ -188,7 +192,8 @@ class GroupRunner:
         try:
             async with asyncio.timeout(timeout), leased(self.daemon, model) as lease:
                 data = await post_json(self.session, lease.base_url + CHAT_PATH,
-                                       self.body_for(model, body, stream=False), model, lease)
+                                       self.body_for(model, body, stream=False), model, lease,
+                                       limit=self.answer_limit())
         except TimeoutError:
             return result("timeout", error=f"no answer within {timeout:g}s (cancelled)")
         except (SupervisorError, UpstreamFailed) as exc:
@@ -454,7 +459,8 @@ class GroupRunner:
             async with asyncio.timeout(group.member_timeout), \
                     leased(self.daemon, model) as lease:
                 data = await post_json(self.session, lease.base_url + EMBEDDINGS_PATH,
-                                       {"model": model, "input": texts}, model, lease)
+                                       {"model": model, "input": texts}, model, lease,
+                                       limit=self.answer_limit())
             rows = sorted(data["data"], key=lambda row: row["index"])
             vectors = [[float(x) for x in row["embedding"]] for row in rows]
         except TimeoutError as exc:

@@ -108,7 +108,8 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
                                   "url": f"http://127.0.0.1:{upstream.port}"}
     config["models"]["paid"]["paths"] = ["/v1/tokenize"]  # what the operator adds
     config["max_answer_mb"] = 2
-    config["groups"] = {"pair": {"type": "parallel", "models": ["drops", "paid"]}}
+    config["groups"] = {"pair": {"type": "parallel", "models": ["drops", "paid"]},
+                        "big": {"type": "parallel", "models": ["endless", "paid"]}}
     config["api_keys"] = ["user-key"]
     config["admin_api_keys"] = ["admin-key"]
     corral = start_corral_module(config, api_key="admin-key")
@@ -180,3 +181,14 @@ def test_a_groups_call_to_a_remote_that_dropped_it_is_not_sent_again(
         "group": "pair", "messages": [{"role": "user", "content": "once"}], "max_tokens": 4})
     assert resp.status_code in (200, 502), resp.text
     assert len(drops.requests) - before == 1, "the group's POST was sent again"
+
+
+def test_a_groups_member_past_max_answer_mb_fails_the_member_not_the_daemon(
+        corral: Corral) -> None:
+    resp = corral.http.post("/v1/batch/execute", json={
+        "group": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert resp.status_code == 502, resp.text[:300]  # a strict group: one member failed
+    members = {m["model"]: m for m in resp.json()["group"]["responses"]}
+    assert members["endless"]["status"] == "error"
+    assert "max_answer_mb" in members["endless"]["error"], members["endless"]
+    assert members["paid"]["status"] == "ok"
