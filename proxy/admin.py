@@ -13,7 +13,7 @@ from aiohttp import web
 from corral.proxy import client_io
 from corral.proxy.errors import ApiError
 from corral.proxy.sse import KEEPALIVE, frame, sse_headers
-from corral.proxy.validate import bad, parse_json_object
+from corral.proxy.validate import bad, parse_json_object, require_json
 from corral.supervisor import pull as pulling
 from corral.supervisor.errors import ShuttingDown
 from corral.supervisor.port import Supervisor
@@ -99,6 +99,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         daemon = request.app[key]
         if daemon.closing:
             raise ShuttingDown("corral is shutting down")
+        require_json(request)
         try:
             raw = await request.read()
         except web.RequestPayloadError as exc:

@@ -7,7 +7,6 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
@@ -37,12 +36,17 @@ from corral.proxy.errors import (
     method_not_allowed,
     shape_of,
 )
-from corral.proxy.forward import new_upstream_session, relay
+from corral.proxy.forward import relay
 from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
 from corral.proxy.groups import GroupRunner
 from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
-from corral.proxy.validate import check_fields, check_messages, parse_json_object
+from corral.proxy.validate import (
+    check_fields,
+    check_messages,
+    parse_json_object,
+    require_json,
+)
 from corral.supervisor.config import split_listen
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
 from corral.supervisor.port import Supervisor
@@ -51,8 +55,7 @@ log = structlog.get_logger("corral.proxy")
 
 DAEMON: web.AppKey[Supervisor] = web.AppKey("daemon", Supervisor)
 ACCOUNTING: web.AppKey[Accounting] = web.AppKey("accounting", Accounting)
-UPSTREAM: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream", aiohttp.ClientSession)
-# The relay's own connections to children (groups and the prompt cache use UPSTREAM).
+# The one client to children: the relay's and the groups' connections.
 CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 EDGE: web.AppKey[Edge] = web.AppKey("edge", Edge)
@@ -109,12 +112,10 @@ def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Applic
 
 
 async def _upstream_session(app: web.Application) -> Any:
-    app[UPSTREAM] = new_upstream_session()
     app[CHILDREN] = ChildPool()
-    app[GROUPS] = GroupRunner(app[DAEMON], app[UPSTREAM])
+    app[GROUPS] = GroupRunner(app[DAEMON], app[CHILDREN])
     yield
     app[CHILDREN].close()
-    await app[UPSTREAM].close()
 
 
 # -- middlewares -------------------------------------------------------------------------------
@@ -282,6 +283,7 @@ async def _not_posted(request: web.Request) -> web.StreamResponse:
 
 async def read_json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     """The raw body (relayed as is) and its parsed form (read for routing)."""
+    require_json(request)
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise ApiError(400, f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON "

@@ -14,8 +14,9 @@ too. Ollama fixed the same class (CVE-2024-28224) with a Host check and an origi
   `allowed_origins` (exact "scheme://host[:port]", or "*") is refused (403
   `origin_not_allowed`) on every method that changes state and on /v1, /admin, /models and
   /peer, whatever the method. corral's own status page is same-origin and unaffected.
-- **Content-Type**: a body sent to corral's JSON routes must say `application/json` (415
-  `unsupported_media_type`): the content types a page may send without a preflight never pass.
+- **Content-Type**: a body a JSON route reads must say `application/json` (415
+  `unsupported_media_type`; proxy/validate.require_json, where the body is read): the content
+  types a page may send without a preflight never pass.
 - **CORS** only for `allowed_origins`: preflights answered (204), answers carry
   `Access-Control-Allow-Origin` for that origin; a child's own CORS headers are never relayed.
 """
@@ -104,13 +105,6 @@ class Edge:
             if not allowed and (request.method not in SAFE_METHODS
                                 or request.path.startswith(GUARDED_PREFIXES)):
                 return _origin_refused(origin)
-        if request.method == "POST" and _has_body(request) \
-                and request.path.startswith(GUARDED_PREFIXES) \
-                and request.content_type != "application/json":
-            return error_response(415, f"a request body here is JSON: send it with "
-                                  f"Content-Type: application/json (not "
-                                  f"{request.content_type[:60]!r})",
-                                  code="unsupported_media_type")
         return None
 
     def _preflight(self, request: web.Request, origin: str) -> web.Response:
@@ -136,11 +130,6 @@ def _origin_refused(origin: str) -> web.Response:
     return error_response(403, f"requests from the web page at {origin[:100]!r} are refused: "
                           "add its origin to allowed_origins in the config to let it use "
                           "corral", kind="permission_error", code="origin_not_allowed")
-
-
-def _has_body(request: web.Request) -> bool:
-    return (request.content_length or 0) > 0 or "chunked" in request.headers.get(
-        "Transfer-Encoding", "").lower()
 
 
 def _hostname(host: str) -> str | None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
@@ -39,103 +37,8 @@ _HOP_BY_HOP = frozenset({
     "access-control-allow-headers", "access-control-allow-methods",
     "access-control-expose-headers", "access-control-max-age",
 })
-UPSTREAM_BROKE = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 # A whole answer held in memory, at most (the config's max_answer_mb, where callers pass it).
 DEFAULT_ANSWER_LIMIT = 64 * 1024 * 1024
-# Failures that leave no doubt the child never began the request: the pooled connection was
-# already closed by the child (cpp-httplib closes idle keep-alive connections after 5 s and
-# every connection after 100 requests), or the connection could not be made at all.
-_NOT_BEGUN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-# llama-server's cpp-httplib keeps an idle connection 5 s (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND).
-# Our side forgets it well before that, so a pooled connection is rarely one the child closed.
-_POOL_KEEPALIVE = 2.0
-
-
-def new_upstream_session() -> aiohttp.ClientSession:
-    # No overall timeout: generations run as long as they run, and a client hang-up cancels
-    # them; first-byte and idle limits are set per request from the model's config.
-    # Raw bytes both ways (no decompression, no cookie jar).
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_POOL_KEEPALIVE),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
-
-
-async def open_upstream(session: aiohttp.ClientSession, url: str, model: str,
-                        lease: Lease | None = None, **request: Any) -> aiohttp.ClientResponse:
-    """POST to a child and wait for its response head.
-
-    With a lease: its auth header is sent, the model's first_byte_timeout bounds the wait for
-    the head (UpstreamTimeout), its idle_timeout then bounds every silence in the body
-    (aiohttp's ServerTimeoutError), and a request the child never began (stale pooled
-    connection) is sent once more while the child is alive. Other failures before an answer
-    become UpstreamFailed."""
-    if lease is not None:
-        request["headers"] = {**request.get("headers", {}), **lease.headers}
-        request["timeout"] = _first_byte_timeout(lease.first_byte_timeout)
-        # The prompt cache: the request pinned to a slot, a saved prefix restored into it.
-        field = "data" if "data" in request else "json"
-        if field in request:
-            request[field] = await lease.pin(url, request[field])
-            if lease.served_name is not None:
-                request[field] = rename_request(request[field], lease.served_name)
-    for attempt in (1, 2, 3):
-        try:
-            response = await session.post(url, **request)
-            break
-        except aiohttp.ServerTimeoutError as exc:
-            limit = lease.first_byte_timeout if lease else None
-            raise UpstreamTimeout(
-                f"{model} sent no response within {limit:g}s (first_byte_timeout)"
-                if limit else f"{model} timed out: {exc}") from exc
-        except _NOT_BEGUN as exc:
-            # A remote's request may have been done (and paid for) once it was written: sent
-            # again only when the connection was never made.
-            unsent = isinstance(exc, aiohttp.ClientConnectorError)
-            if attempt < 3 and lease is not None and lease.child_alive() \
-                    and (lease.pid is not None or unsent):
-                log.info("upstream.retry", model=model, attempt=attempt,
-                         error=str(exc) or type(exc).__name__)
-                continue
-            raise UpstreamFailed(f"{model} dropped the request: "
-                                 f"{exc or type(exc).__name__}") from exc
-        except UPSTREAM_BROKE as exc:
-            raise UpstreamFailed(f"{model} dropped the request: "
-                                 f"{exc or type(exc).__name__}") from exc
-    protocol = response.connection.protocol if response.connection is not None else None
-    if protocol is not None:
-        if lease is not None:
-            # The head is in: from here on, the longest silence allowed is idle_timeout.
-            protocol.read_timeout = lease.idle_timeout
-        if response.content_type == "text/event-stream":
-            # llama-server closes the connection after every streamed answer while still
-            # advertising keep-alive (no `Connection: close`), and aiohttp returns a
-            # connection to the pool the moment the body ends: pooled, it fails the next
-            # request ("Can not write request body"). Measured on 3,000 streams: 293 such
-            # failures (each retried) with pooling, none with this.
-            protocol.force_close()
-    return response
-
-
-@functools.lru_cache(maxsize=64)
-def _first_byte_timeout(seconds: float) -> aiohttp.ClientTimeout:
-    # One object per distinct limit: no allocation per request on the hot path.
-    return aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=seconds)
-
-
-def _broken(model: str, exc: BaseException, what: str) -> UpstreamFailed:
-    """A short reason for a child that broke off `what` (no aiohttp internals)."""
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return UpstreamTimeout(f"{model} went silent {what} (idle_timeout)")
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        reason = "the connection closed before the answer was complete"
-    else:
-        reason = str(exc) or type(exc).__name__
-    return UpstreamFailed(f"{model} failed {what}: {reason}")
-
-
 _HOP_BY_HOP_BYTES = frozenset(h.encode() for h in _HOP_BY_HOP)
 
 
@@ -152,7 +55,7 @@ def _child_headers(response: ChildResponse) -> CIMultiDict[str]:
 async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body: bytes,
                      accept: str, parsed: dict[str, Any] | None = None) -> ChildResponse:
     """POST `body` to the lease's child at `path` and wait for its response head: the
-    relay's way, over the ChildPool (open_upstream is the same for aiohttp's client).
+    relay's way, over the ChildPool: the one client to children (groups use it too).
 
     The lease's auth header is sent, the model's first_byte_timeout bounds the wait for the
     head (UpstreamTimeout), its idle_timeout then bounds every silence in the body (Silent,
@@ -337,37 +240,32 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     return out.response
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                    model: str, lease: Lease | None = None,
-                    limit: int = DEFAULT_ANSWER_LIMIT) -> dict[str, Any]:
-    """A whole (non-streamed) JSON answer from a child, for callers that need its content;
-    one past `limit` bytes is an UpstreamFailed (the connection closed)."""
-    resp = await open_upstream(session, url, model, lease, json=payload,
-                               headers={"Accept-Encoding": "identity"})
+async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: str,
+                    lease: Lease, limit: int = DEFAULT_ANSWER_LIMIT) -> dict[str, Any]:
+    """A whole (non-streamed) JSON answer from a child, for callers that need its content
+    (a group's members, the votes' embeddings): the relay's own client and rules (interim
+    answers skipped, never resent once a remote may have done it, at most `limit` bytes)."""
+    upstream = await open_child(pool, path, model, lease, json.dumps(payload).encode(),
+                                "application/json", parsed=payload)
     try:
-        raw = bytearray()
-        async for chunk in resp.content.iter_chunked(65536):
-            raw += chunk
-            if len(raw) > limit:
-                raise UpstreamFailed(f"{model}'s answer passed {limit} bytes (max_answer_mb)")
-        data = json.loads(raw) if raw else None
-    except BaseException as exc:
-        resp.close()  # cancelled or broken: make the child see the hang-up
-        if isinstance(exc, UPSTREAM_BROKE):
-            raise _broken(model, exc, "while answering") from exc
-        if isinstance(exc, ValueError):
-            raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
-        if isinstance(exc, UpstreamFailed):
-            raise
+        raw = await upstream.read(limit)
+    except ChildHttpError as exc:
+        upstream.close()
+        raise _child_broken(model, exc, "while answering") from exc
+    except BaseException:
+        upstream.close()  # cancelled: make the child see the hang-up
         raise
-    resp.release()
-    if resp.status != 200:
+    upstream.release()
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError as exc:
+        raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
+    if upstream.status != 200:
         error = data.get("error") if isinstance(data, dict) else None
         message = error.get("message") if isinstance(error, dict) else str(data)[:300]
-        raise UpstreamRejected(f"{model} answered HTTP {resp.status}: {message}")
+        raise UpstreamRejected(f"{model} answered HTTP {upstream.status}: {message}")
     if not isinstance(data, dict):
         raise UpstreamFailed(f"{model} answered with non-object JSON")
-    if lease is not None and lease.served_name is not None \
-            and data.get("model") == lease.served_name:
+    if lease.served_name is not None and data.get("model") == lease.served_name:
         data["model"] = lease.model
     return data

@@ -12,11 +12,11 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
 from corral.proxy import client_io, sse
+from corral.proxy.child_http import ChildHttpError, ChildResponse
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import (
     ApiError,
@@ -25,7 +25,7 @@ from corral.proxy.errors import (
     error_response,
     http_error,
 )
-from corral.proxy.forward import UPSTREAM_BROKE, open_upstream
+from corral.proxy.forward import open_child
 from corral.proxy.groups import CHAT_PATH, GroupFailed, GroupOutcome, GroupRunner
 from corral.proxy.routing import group_by_name
 from corral.proxy.upstream import leased
@@ -210,8 +210,9 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: 
         # answer, which streams to the client as long as it streams.
         async with asyncio.timeout(group.member_timeout) as first_byte, \
                 leased(runner.daemon, model) as lease:
-            upstream = await open_upstream(runner.session, lease.base_url + CHAT_PATH, model,
-                                           lease, json=payload)
+            upstream = await open_child(runner.pool, CHAT_PATH, model, lease,
+                                        json.dumps(payload).encode(), "text/event-stream",
+                                        parsed=payload)
             first_byte.reschedule(None)
             try:
                 await _expect_ok(upstream, model)
@@ -230,29 +231,38 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: 
     outcome.final = "".join(text)
 
 
-async def _expect_ok(upstream: aiohttp.ClientResponse, model: str) -> None:
+async def _expect_ok(upstream: ChildResponse, model: str) -> None:
     if upstream.status == 200:
         return
     try:
-        detail = (await upstream.read()).decode(errors="replace")[:300]
-    except UPSTREAM_BROKE as exc:
+        detail = (await upstream.read(_LINE_LIMIT)).decode(errors="replace")[:300]
+    except ChildHttpError as exc:
         detail = str(exc) or type(exc).__name__
     raise UpstreamRejected(f"{model} answered HTTP {upstream.status}: {detail}")
 
 
-async def _events(upstream: aiohttp.ClientResponse, model: str,
-                  ) -> AsyncGenerator[dict[str, Any], None]:
+# The longest line of a child's event stream read (an event is one line).
+_LINE_LIMIT = 16 * 1024 * 1024
+
+
+async def _events(upstream: ChildResponse, model: str) -> AsyncGenerator[dict[str, Any], None]:
     """The JSON events of a child's SSE answer. Only reading happens in here, so a broken
     stream raised from here is the child's failure; writing to the client happens in the
     caller, where a client that hung up raises its own error, never counted against the
     child."""
+    pending = b""
     try:
-        async for line in upstream.content:
-            if line.startswith(b"data: {"):  # skip blank separators, pings, its own [DONE]
-                event = json.loads(line[6:])
-                if isinstance(event, dict):
-                    yield event
-    except (*UPSTREAM_BROKE, ValueError) as exc:
+        while data := await upstream.chunk():
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            if len(pending) > _LINE_LIMIT:
+                raise ValueError(f"a line of more than {_LINE_LIMIT} bytes")
+            for line in lines:
+                if line.startswith(b"data: {"):  # skip separators, pings, its own [DONE]
+                    event = json.loads(line[6:])
+                    if isinstance(event, dict):
+                        yield event
+    except (ChildHttpError, ValueError) as exc:
         raise UpstreamFailed(f"{model} broke off its stream: "
                              f"{exc or type(exc).__name__}") from exc
 

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
 import structlog
 
 from corral.proxy import filters, votes
+from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
 from corral.proxy.upstream import leased
@@ -164,9 +164,9 @@ def with_user_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, 
 
 
 class GroupRunner:
-    def __init__(self, daemon: Supervisor, session: aiohttp.ClientSession):
+    def __init__(self, daemon: Supervisor, pool: ChildPool):
         self.daemon = daemon
-        self.session = session
+        self.pool = pool  # the relay's own client to children: the same rules for members
 
     def answer_limit(self) -> int:
         """The bytes a member's whole answer may have (max_answer_mb, live)."""
@@ -191,7 +191,7 @@ class GroupRunner:
 
         try:
             async with asyncio.timeout(timeout), leased(self.daemon, model) as lease:
-                data = await post_json(self.session, lease.base_url + CHAT_PATH,
+                data = await post_json(self.pool, CHAT_PATH,
                                        self.body_for(model, body, stream=False), model, lease,
                                        limit=self.answer_limit())
         except TimeoutError:
@@ -458,7 +458,7 @@ class GroupRunner:
         try:
             async with asyncio.timeout(group.member_timeout), \
                     leased(self.daemon, model) as lease:
-                data = await post_json(self.session, lease.base_url + EMBEDDINGS_PATH,
+                data = await post_json(self.pool, EMBEDDINGS_PATH,
                                        {"model": model, "input": texts}, model, lease,
                                        limit=self.answer_limit())
             rows = sorted(data["data"], key=lambda row: row["index"])

@@ -13,7 +13,7 @@ from aiohttp import web
 from corral.proxy.access import ADMIN
 from corral.proxy.errors import ApiError, method_not_allowed
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
-from corral.proxy.validate import parse_json_object
+from corral.proxy.validate import parse_json_object, require_json
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.port import ModelStatus, State, Supervisor
 
@@ -111,6 +111,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
 async def _named(request: web.Request, daemon: Supervisor) -> list[str]:
     """The models a load/unload body names: `{"model": name}` (a model, an alias, or a group
     exposed as a model: its members)."""
+    require_json(request)
     body = parse_json_object(await request.read())
     name = body.get("model")
     if not isinstance(name, str) or not name:

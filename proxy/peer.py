@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from corral.proxy.errors import error_response
-from corral.proxy.validate import bad, parse_json_object
+from corral.proxy.validate import bad, parse_json_object, require_json
 from corral.supervisor.errors import ShuttingDown
 from corral.supervisor.port import Supervisor
 from corral.supervisor.rpc.lender import Lender, TooManyLoans
@@ -30,6 +30,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         daemon = request.app[key]
         if daemon.closing:
             raise ShuttingDown("this worker is shutting down")
+        require_json(request)
         body = parse_json_object(await request.read())
         model = body.get("model")
         if not isinstance(model, str) or not 0 < len(model) <= 200:

@@ -8,6 +8,8 @@ import json
 import math
 from typing import Any
 
+from aiohttp import web
+
 from corral.proxy.errors import ApiError
 
 # Deeper JSON than this is refused: nothing OpenAI-shaped needs it (tool schemas included),
@@ -20,6 +22,18 @@ NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "temperature", "top
 
 def bad(message: str, param: str | None, code: str = "invalid_request") -> ApiError:
     return ApiError(400, message, code, param=param)
+
+
+def require_json(request: web.Request) -> None:
+    """A body read as JSON must say so: the content types a web page may send without asking
+    the browser first (text/plain, forms) never pass (proxy/edge.py says why). No body: no
+    claim to check."""
+    if not request.can_read_body:
+        return
+    if request.content_type != "application/json":
+        raise ApiError(415, f"a request body here is JSON: send it with Content-Type: "
+                       f"application/json (not {request.content_type[:60]!r})",
+                       "unsupported_media_type")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

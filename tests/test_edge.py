@@ -95,11 +95,15 @@ def test_cross_origin_requests_are_refused_and_nothing_happens(corral: Corral) -
 
 def test_a_body_must_say_it_is_json(corral: Corral) -> None:
     before = _pulls(corral)
-    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
-        headers = {"Content-Type": content_type} if content_type else {}
-        resp = corral.http.post("/admin/pull", content=b'{"source": "%s"}' % SOURCE.encode(),
-                                headers=headers)
-        assert _error(resp, 415)["code"] == "unsupported_media_type", content_type
+    chat = b'{"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]}'
+    for path, body in (("/admin/pull", b'{"source": "%s"}' % SOURCE.encode()),
+                       ("/v1/chat/completions", chat), ("/models/load", b'{"model": "tiny-b"}'),
+                       ("/v1/batch/execute", b'{"group": "x", "messages": []}')):
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"Content-Type": content_type} if content_type else {}
+            resp = corral.http.post(path, content=body, headers=headers)
+            assert _error(resp, 415)["code"] == "unsupported_media_type", (path, content_type)
+    assert corral.model("tiny-b")["state"] == "stopped"
     assert _pulls(corral) == before
 
 

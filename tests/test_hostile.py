@@ -211,15 +211,16 @@ class _Gone:
 
 
 class _Stream:
+    """The synthesizer's answer as the relay's client gives it (proxy/child_http)."""
+
     def __init__(self) -> None:
         self.status = 200
         self.closed = False
-        self.content = self._lines()
-        self.connection = None
+        self._lines = [b'data: {"choices": [{"delta": {"content": "t%d"}}]}\n' % n
+                       for n in range(3)]
 
-    async def _lines(self) -> Any:
-        for n in range(3):
-            yield b'data: {"choices": [{"delta": {"content": "t%d"}}]}\n' % n
+    async def chunk(self) -> bytes:
+        return self._lines.pop(0) if self._lines else b""
 
     def close(self) -> None:
         self.closed = True
@@ -261,7 +262,7 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
 
     upstream = _Stream()
 
-    async def post(_url: str, **_kw: Any) -> Any:
+    async def post(*_args: Any, **_kw: Any) -> Any:
         return upstream
 
     group = GroupSpec(name="council", type="consensus", models=("a",), required_responses=1,
@@ -269,7 +270,7 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
                       selector="first_ok", judge=None, synthesizer="a", template=None,
                       expose_as_model=True)
     runner = SimpleNamespace(daemon=SimpleNamespace(acquire=acquire, closing=False),
-                             session=SimpleNamespace(post=post),
+                             pool=SimpleNamespace(post=post),
                              synthesis_body=lambda *_: {"messages": HI},
                              body_for=lambda model, body, stream: {**body, "model": model,
                                                                    "stream": stream})

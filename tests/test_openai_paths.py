@@ -65,7 +65,7 @@ def raw_post(corral: Corral, target: str, body: bytes) -> tuple[int, bytes]:
     before sending, an attacker's client does not."""
     host, port = corral.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer user-key\r\n"
+        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer user-key\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                      f"Connection: close\r\n\r\n".encode() + body)
         data = b""
