@@ -97,6 +97,7 @@ bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/rpc_split.py
 	$(BIN)/python bench/prompt_cache.py
 	$(BIN)/python bench/votes.py
+	$(BIN)/python bench/edge_check.py
 
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.

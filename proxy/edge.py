@@ -48,19 +48,32 @@ class Edge:
         self._config = config  # the config in force (a reload's lists apply at once)
         self._own_names = frozenset(
             name.lower().rstrip(".") for name in (listen_host, socket.gethostname()) if name)
+        # Decisions per Host header under one config: clients send the same few, and the
+        # check is on every request's path (bounded: a flood of names only refills it).
+        self._hosts: dict[str, bool] = {}
+        self._hosts_for: Config | None = None
 
     # -- Host ----------------------------------------------------------------------------------
 
     def host_allowed(self, host: str | None) -> bool:
         if not host:
             return True  # HTTP/1.0 without Host: no browser sends that
+        config = self._config()
+        if config is not self._hosts_for or len(self._hosts) > 256:
+            self._hosts, self._hosts_for = {}, config
+        known = self._hosts.get(host)
+        if known is None:
+            known = self._hosts[host] = self._decide_host(host, config)
+        return known
+
+    def _decide_host(self, host: str, config: Config) -> bool:
         name = _hostname(host)
         if name is None:
             return False
         if _is_ip(name) or name in LOOPBACK_NAMES or name.endswith(".localhost") \
                 or name in self._own_names:
             return True
-        for entry in self._config().allowed_hosts:
+        for entry in config.allowed_hosts:
             entry = entry.lower().rstrip(".")
             if entry == "*" or name == entry or (entry.startswith(".") and (
                     name.endswith(entry) or name == entry[1:])):
