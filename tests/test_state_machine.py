@@ -103,10 +103,14 @@ def test_any_error_in_a_start_ends_failed_with_the_reason_and_a_backoff(tiny_mod
     async def scenario(session: aiohttp.ClientSession) -> None:
         inst = Instance(_spec(tiny_models, start_backoff=5), _Crashing(), on_change=lambda: None)
         inst.begin_start(session, on_spawn=lambda _: None)
-        with pytest.raises(StartFailed, match="will not parse"):
+        with pytest.raises(StartFailed) as failed:
             await asyncio.wait_for(inst.wait_ready(), 10)
+        # The exception's text is the operator's (last_error, the log); a client is told
+        # what failed without it.
+        assert "will not parse" in (failed.value.for_operators or "")
+        assert "will not parse" not in str(failed.value) and "ValueError" in str(failed.value)
         assert inst.state is State.FAILED
-        assert "ValueError" in (inst.last_error or "")
+        assert "ValueError" in (inst.last_error or "") and "will not parse" in inst.last_error
         assert inst.start_failures == 1 and inst.backoff_left() > 0
         assert inst.can_start  # not wedged: an operator's load may try again now
 

@@ -17,7 +17,6 @@ import aiohttp
 import structlog
 
 from corral.supervisor.backends.base import Backend, BinaryNotFound
-from corral.supervisor.backends.binaries import INSTALL_HINT
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.events import EventBus
@@ -127,8 +126,8 @@ class Launch:
         except BinaryNotFound as exc:
             if deployment is not None:
                 await asyncio.shield(deployment.release())
-            raise StartFailed(f"{self._name}: its server's executable is missing; "
-                              f"{INSTALL_HINT}", for_operators=str(exc)) from exc
+            # Its message is written for people: how to install the server (the backend's).
+            raise StartFailed(str(exc)) from exc
         env = {**self._backend.env(self.spec), **self._backend.auth_env(api_key)}
         process = ChildProcess(self._name, argv, env, keeper=self._keeper,
                                stop_signal=signal.Signals[self.spec.stop_signal]) \
