@@ -295,3 +295,20 @@ def test_no_state_changes_without_the_right_key_and_origin(
     if started:
         wait_until(lambda: corral.http.get("/admin/pulls").json()["pulls"][-1]["state"]
                    != "running", timeout=10)
+
+
+def test_any_origin_without_keys_is_refused_unless_the_operator_says_so(tmp_path: Path) -> None:
+    """allowed_origins: ["*"] and no keys: every web page could drive corral. corral check
+    (and serve) refuse it, as they refuse an open /admin on a network address."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "corral.yaml"
+    for extra, refused in (("", True), ("admin_open: true\n", False),
+                           ("api_keys: [k]\n", False)):
+        config.write_text('allowed_origins: ["*"]\n' + extra + "models: {}\n")
+        done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check",
+                               str(config)], capture_output=True, text=True, timeout=120)
+        said = done.stdout + done.stderr
+        assert (done.returncode != 0) is refused, (extra, said)
+        assert ("every web page" in said) is refused, (extra, said)

@@ -17,9 +17,16 @@ def admin_is_exposed(config: Config, listen: str) -> bool:
 
 def admin_exposure_problem(config: Config, listen: str) -> str | None:
     """Why corral must not serve `config` on `listen`, or None. Open admin endpoints (load,
-    unload, logs) on a network address are an accident far more often than a choice, so the
-    choice has to be spelled out as `admin_open: true`."""
-    if not admin_is_exposed(config, listen) or config.admin_open:
+    unload, logs) on a network address, or to every web page, are an accident far more often
+    than a choice, so the choice has to be spelled out as `admin_open: true`."""
+    if config.admin_open:
+        return None
+    if "*" in config.allowed_origins and not (config.admin_api_keys or config.api_keys):
+        return ("allowed_origins: ['*'] with no api_keys or admin_api_keys lets every web page "
+                "the user opens load, unload and pull models through corral; set "
+                "admin_api_keys (or api_keys), list the web app's own origin, or set "
+                "admin_open: true to allow it")
+    if not admin_is_exposed(config, listen):
         return None
     return (f"listening on {listen} (not loopback) with no api_keys or admin_api_keys would "
             "leave /admin (load, unload, logs) open to the network; set admin_api_keys "
