@@ -13,7 +13,7 @@ or by the name of an entry point in the group `corral.strategies`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib.metadata import entry_points
@@ -270,7 +270,7 @@ class BaseStrategy(GpuPlacement):
         # Over the pool's share: make room inside the pool. Under it but over max_loaded (a
         # removed model still draining, say): anything idle and not kept may go.
         scope = in_pool if len(in_pool) >= pool.capacity else loaded
-        candidates = [v for v in scope if v.stoppable and v.name not in kept]
+        candidates = _evictable(snap, incoming, scope, kept)
         if candidates:
             victim = min(candidates, key=lambda v: v.last_used)
             return Placement(fits=False, evict=victim.name)
@@ -320,7 +320,7 @@ class BaseStrategy(GpuPlacement):
         if not short:
             return Placement(fits=True)
         on_short = [v for v in others if any(v.footprint.get(d, 0) > 0 for d in short)]
-        idle = [v for v in on_short if v.stoppable and v.name not in kept]
+        idle = _evictable(snap, incoming, on_short, kept)
         if idle:
             return Placement(fits=False, evict=min(idle, key=lambda v: v.last_used).name)
         shrink = self._shrinkable(snap, on_short, short)
@@ -579,3 +579,13 @@ def load_strategy(spec: str, options: Mapping[str, Any], base_dir: Path) -> Stra
 
 def _members(snap: Snapshot, groups: Iterable[str]) -> frozenset[str]:
     return frozenset(m for g in groups for m in snap.groups.get(g, ()))
+
+
+def _evictable(snap: Snapshot, incoming: str, views: Sequence[ModelView],
+               kept: frozenset[str]) -> list[ModelView]:
+    """What may be stopped to make room for `incoming`: idle, not kept loaded, and not one of
+    its own model's replicas (stopping a sibling to start a replica grows nothing)."""
+    own = snap.view(incoming)
+    model = own.model if own is not None and own.model else None
+    return [v for v in views if v.stoppable and v.name not in kept
+            and (model is None or v.model != model)]

@@ -1,6 +1,7 @@
 """Strategies as pure decisions over snapshots: one test per decision and strategy, and the
 config checks that guard each strategy's settings."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,16 @@ def test_fits_under_max_loaded():
 def test_evicts_least_recently_used_idle_model():
     views = [view("a", last_used=5), view("b", last_used=1), view("c", last_used=3)]
     assert Generic().place(snap(views, 3), "d").evict == "b"
+
+
+def test_never_evicts_a_sibling_replica_to_start_a_replica():
+    """Stopping r to start r#2 grows nothing: the idle x goes, though r was used longer ago."""
+    views = [dataclasses.replace(view("r", last_used=1), model="r"),
+             dataclasses.replace(view("x", last_used=5), model="x"),
+             dataclasses.replace(view("r#2", loaded=False), model="r")]
+    assert Generic().place(snap(views, 2), "r#2").evict == "x"
+    blocked = Generic().place(snap([views[0], views[2]], 1), "r#2")
+    assert not blocked.fits and blocked.evict is None
 
 
 def test_never_evicts_busy_or_pinned_models():
@@ -251,8 +262,10 @@ def test_a_replica_is_placed_in_its_models_pool_and_kept_with_it():
     groups = {"g": ("a", "b", "x")}  # bigger than its share: members swap inside it
     multi = MultiGroup({"shares": {"g": 2}})
     s = Snapshot(tuple(views), groups, 3, 0.0)
-    # a#3 belongs to group g's share (2, full with a and a#2): it swaps there, never with c.
-    assert multi.place(s, "a#3").evict == "a"
+    # a#3 belongs to group g's share (2, full with a and a#2): never room taken from c, and
+    # never a sibling stopped for it (the model would not grow): it waits for the share.
+    placed = multi.place(s, "a#3")
+    assert not placed.fits and placed.evict is None and "c" not in placed.blocked_by
     pinned = Snapshot(tuple(views), groups, 3, 1000.0, frozenset({"a"}))
     assert Generic().kept_views(pinned) == {"a", "a#2", "a#3"}
     assert Generic().expired(pinned) == ["c"]

@@ -246,8 +246,6 @@ class Door:
                               f"memory: to make room for {inst.name}")
             return None, placement
         victim = self._herd.loaded_member(placement.evict) if placement.evict else None
-        if victim is not None and victim.model == inst.model:
-            victim = None  # a replica's room is never its sibling's: the model would not grow
         if victim is not None and victim.state is State.READY:
             victim.begin_stop(f"evicted (least recently used) to start {inst.name}",
                               cause="lru")
