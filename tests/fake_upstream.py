@@ -10,31 +10,39 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+
+
+def requests(conn: socket.socket) -> Iterator[tuple[str, str, bytes]]:
+    """Each request on a kept-alive connection: method, path and body (Content-Length bodies
+    only: a fake for corral's own client, which always sends one). Ends when the peer closes."""
+    buffered = b""
+    while True:
+        while b"\r\n\r\n" not in buffered:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            buffered += chunk
+        head, _, buffered = buffered.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, path = lines[0].split(" ")[:2]
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value.strip())
+        while len(buffered) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            buffered += chunk
+        body, buffered = buffered[:length], buffered[length:]
+        yield method, path, body
 
 
 def answer(conn: socket.socket) -> None:
-    buffered = b""
     with conn:
-        while True:
-            while b"\r\n\r\n" not in buffered:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buffered += chunk
-            head, _, buffered = buffered.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path = lines[0].split(" ")[:2]
-            length = 0
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value.strip())
-            while len(buffered) < length:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buffered += chunk
-            buffered = buffered[length:]
+        for method, path, _body in requests(conn):
             if path.startswith("/health"):
                 body = {"status": "ok"}
             elif method == "POST":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_upstream import requests
 
 from conftest import Corral, CorralFactory, free_port, tiny_config
 
@@ -36,20 +37,8 @@ class Upstream:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        buffered = b""
         with conn:
-            while True:
-                while b"\r\n\r\n" not in buffered:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buffered += chunk
-                head, _, buffered = buffered.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(buffered) < length:
-                    buffered += conn.recv(65536)
-                body, buffered = buffered[:length], buffered[length:]
+            for _method, _path, body in requests(conn):
                 self.requests.append(body)
                 for part in self.behaviour(body) or ():
                     if part is None:
