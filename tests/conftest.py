@@ -27,6 +27,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from minilm_gguf import write_minilm_gguf
 from tinymodel import write_tiny_llama
+from tinyvision import write_tiny_vision
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -182,6 +183,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("models")
     seeds = {"tiny-a": 1, "tiny-b": 2, "tiny-c": 3, "tiny-a2": 1}
     return {name: write_tiny_llama(folder / f"{name}.gguf", seed) for name, seed in seeds.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model, mmproj): a tiny llama and a tiny CLIP projector it pairs with (tests/tinyvision.py);
+    llama-server with `--mmproj` encodes a 32 px image into 16 prompt positions."""
+    return write_tiny_vision(tmp_path_factory.mktemp("vision"))
 
 
 @pytest.fixture(scope="session")
