@@ -163,6 +163,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
             distributed_executor_backend=m.distributed_executor_backend,
             health_path=None if m.health == "none" else (m.health or "/health"),
             served_name=m.served_name,
+            api=m.api or "chat",
             memory_mb=m.memory_mb,
             stop_signal=m.stop_signal or "SIGTERM",
             url=_remote_base(m.url) if m.url else None,

@@ -80,6 +80,8 @@ class ModelSpec:
     # command children and remote endpoints (backend: command / remote).
     health_path: str | None = "/health"  # command: polled for 200 before ready; None: TCP only
     served_name: str | None = None  # what the server expects in `model` (rewritten both ways)
+    # The API family a group's member call speaks to it: chat, responses or messages.
+    api: str = "chat"
     memory_mb: float | None = None  # command: its footprint for placement until measured
     stop_signal: str = "SIGTERM"
     url: str | None = None  # remote: the base URL requests go to (a trailing /v1 removed)

@@ -41,16 +41,17 @@ _FOREIGN_ONLY = {
     "stop_signal": "corral stops llama-server and vLLM with SIGTERM",
     "url": "`url` is for backend: remote",
     "api_key": "corral gives every child an API key of its own",
+    "api": "llama-server and vLLM speak every family corral translates from chat",
 }
 # What a command child reads: corral starts it from `command` and knows nothing else of it.
-_COMMAND_KEYS = {"backend", "command", "health", "served_name", "memory_mb", "stop_signal",
-                 "env", "aliases", "ttl", "parallel", "start_timeout", "max_queue",
+_COMMAND_KEYS = {"backend", "command", "health", "served_name", "api", "memory_mb",
+                 "stop_signal", "env", "aliases", "ttl", "parallel", "start_timeout", "max_queue",
                  "queue_timeout", "stop_grace", "first_byte_timeout", "idle_timeout",
                  "health_interval", "health_timeout", "health_failures", "start_backoff",
                  "start_backoff_max", "capabilities", "request", "loading_progress",
                  "replicas", "model", "gpus", "paths"}
 # What a remote endpoint reads: no process, so no start, stop, health probe or memory keys.
-_REMOTE_KEYS = {"backend", "url", "api_key", "served_name", "aliases", "parallel",
+_REMOTE_KEYS = {"backend", "url", "api_key", "served_name", "api", "aliases", "parallel",
                 "max_queue", "queue_timeout", "first_byte_timeout", "idle_timeout",
                 "capabilities", "request", "ttl", "model", "paths"}
 # Flags today's llama-server no longer has, and what replaced them.

@@ -114,6 +114,11 @@ class ModelConfig(BaseModel):
     served_name: str | None = Field(
         None, description="command, remote: the name the server expects in `model` (corral "
         "rewrites it in requests, and back to this model's name in answers)")
+    api: Literal["chat", "responses", "messages"] | None = Field(
+        None, description="command, remote: the API family the server speaks when a group "
+        "asks it (chat: /v1/chat/completions, the default; responses: /v1/responses only; "
+        "messages: Anthropic's /v1/messages only); corral translates a member's request and "
+        "answer")
     memory_mb: float | None = Field(
         None, gt=0, description="command: the child's memory (MiB of RAM) for placement "
         "before it is measured (corral cannot estimate an arbitrary server)")
