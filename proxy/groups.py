@@ -10,7 +10,7 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -19,6 +19,10 @@ from corral.proxy import filters, votes
 from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import post_json
+from corral.proxy.group_outcome import GroupFailed as GroupFailed
+from corral.proxy.group_outcome import GroupOutcome as GroupOutcome
+from corral.proxy.group_outcome import MemberResult as MemberResult
+from corral.proxy.group_outcome import Selection as Selection
 from corral.proxy.upstream import leased
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.config.specs import VoteSpec
@@ -34,108 +38,6 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 EMBED_CHARS = 2000
 # Request fields that steer the group itself; everything else goes to every member as is.
 GROUP_FIELDS = frozenset({"group", "models", "template", "stream", "stream_options", "model"})
-
-
-@dataclass
-class MemberResult:
-    model: str
-    status: str  # ok | error | timeout | retried | replaced | cancelled
-    content: str | None = None
-    latency_ms: float = 0.0
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    replaced: str | None = None  # for status "replaced": the member this answer stands in for
-    input: str | None = None  # chain steps: the user message this step was given
-    finished_at: float = field(default=0.0, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("ok", "retried", "replaced")
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "model": self.model, "status": self.status, "content": self.content,
-            "latency_ms": round(self.latency_ms, 1), "usage": self.usage, "error": self.error}
-        if self.replaced:
-            out["replaced"] = self.replaced
-        if self.input is not None:
-            out["input"] = self.input
-        return out
-
-
-@dataclass
-class Selection:
-    index: int
-    model: str
-    reason: str
-
-
-@dataclass
-class GroupOutcome:
-    group: GroupSpec
-    responses: list[MemberResult]
-    wall_ms: float
-    selected: Selection | None = None
-    final: str | None = None
-    extra_usage: list[dict[str, Any]] = field(default_factory=list)  # judge / synthesizer
-    tally: votes.Tally | None = None  # how the answers voted, for groups that vote
-
-    @property
-    def ok_count(self) -> int:
-        return sum(r.ok for r in self.responses)
-
-    @property
-    def complete(self) -> bool:
-        quorum = self.tally is None or self.tally.quorum_met
-        return quorum and self.ok_count >= self.group.required_responses
-
-    def answer(self) -> str:
-        """The one text a chat completion for this group returns."""
-        if self.final is not None:
-            return self.final
-        if self.selected is not None:
-            return self.responses[self.selected.index].content or ""
-        return "\n\n".join(
-            f"### {r.model}\n{r.content if r.ok else f'(no answer: {r.error})'}"
-            for r in self.responses)
-
-    def usage(self) -> dict[str, int]:
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for usage in [r.usage for r in self.responses] + self.extra_usage:
-            for key in total:
-                total[key] += int((usage or {}).get(key) or 0)
-        return total
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "group": self.group.name, "type": self.group.type, "complete": self.complete,
-            "required_responses": self.group.required_responses,
-            "wall_ms": round(self.wall_ms, 1),
-            "responses": [r.as_dict() for r in self.responses],
-            "usage": self.usage()}
-        if self.tally is not None:
-            out["vote"] = self.tally.as_dict()
-        if self.selected is not None:
-            out["selected"] = {"index": self.selected.index, "model": self.selected.model,
-                               "reason": self.selected.reason}
-        if self.final is not None or self.group.type in ("fan_out", "consensus", "chain"):
-            out["final"] = self.answer()
-        if self.group.type == "consensus" and self.final is not None:
-            out["synthesis"] = {
-                "model": self.group.synthesizer,
-                "reason": f"{self.group.synthesizer} wrote the final answer from the "
-                          f"{self.ok_count} member answers"}
-        return out
-
-
-class GroupFailed(Exception):
-    """Not enough members answered (strict: any failure; otherwise: none at all), or not
-    enough agreed (a strict quorum) → 502 with `code`."""
-
-    def __init__(self, message: str, outcome: GroupOutcome, code: str = "group_failed"):
-        self.outcome = outcome
-        self.code = code
-        super().__init__(message)
 
 
 def member_body(request: dict[str, Any]) -> dict[str, Any]:
