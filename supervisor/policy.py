@@ -221,17 +221,23 @@ class BaseStrategy(GpuPlacement):
 
     def auto_level(self, snap: Snapshot, view: ModelView) -> int:
         """`kv_cache.mode: auto`: the best step whose estimate fits the model's budget on
-        every device it uses (the budget as a whole, not what others leave of it: making
-        room is placement's job). The last step when none fits."""
+        every device it uses beside what is kept loaded there (placement cannot evict that;
+        anything else, making room is its job); else the best that fits the budget as a whole,
+        else the last step."""
         mem = snap.memory
         if mem is None or snap.estimate is None:
             return 0
         pool = mem.pool_of(snap.groups, snap.model_of(view.name))
-        for level, kv in enumerate(view.kv_ladder):
-            need = self.need(snap, view.name, kv)
-            if all(n <= mem.pool_capacity(mem.devices[d], pool)
-                   for d, n in need.items() if d in mem.devices):
-                return level
+        kept = self.kept_views(snap)
+        beside = [v for v in snap.loaded if v.name in kept and v.name != view.name
+                  and mem.pool_of(snap.groups, snap.model_of(v.name)) == pool]
+        needs = [self.need(snap, view.name, kv) for kv in view.kv_ladder]
+        for held in (beside, []):
+            for level, need in enumerate(needs):
+                if all(n + sum(v.footprint.get(d, 0) for v in held)
+                       <= mem.pool_capacity(mem.devices[d], pool)
+                       for d, n in need.items() if d in mem.devices):
+                    return level
         return len(view.kv_ladder) - 1
 
     def need(self, snap: Snapshot, model: str, kv: KvCache | None = None,

@@ -134,6 +134,28 @@ def test_auto_picks_the_best_step_that_fits_the_budget():
     assert Generic().place(snap([a], memory(budget=900)), "a").fits
 
 
+def test_auto_picks_the_step_that_fits_beside_a_pinned_model():
+    # k is pinned and holds 700 of 1300: f16 (1000) and q8_0 (700) fit the budget but not
+    # beside it, and placement may not evict it. auto starts a at q4_0 (550) instead of
+    # picking f16 and being refused.
+    k = view("k", 700, kv_ladder=LADDER)
+    a = view("a", loaded=False, kv_ladder=LADDER, kv_auto=True)
+    s = snap([k, a], memory(budget=1300), pinned=("k",))
+    assert Generic().kv_cache(s, "a") == KvCache("q4_0", "q4_0")
+    assert Generic().place(s, "a").fits
+    # An idle model that is not kept is placement's to evict: auto keeps the best step.
+    s = snap([view("k", 700), a], memory(budget=1300))
+    assert Generic().kv_cache(s, "a") == KvCache("f16", "f16")
+    assert Generic().place(s, "a").evict == "k"
+    # Nothing fits beside the pinned one: the best step that fits the budget, as before
+    # (placement then says what is in the way).
+    s = snap([view("k", 1000), a], memory(budget=1300), pinned=("k",))
+    assert Generic().kv_cache(s, "a") == KvCache("f16", "f16")
+    # A model kept by the strategy itself counts the same.
+    s = snap([k, a], memory(budget=1300))
+    assert FixedAppliance({"models": ["k"]}).kv_cache(s, "a") == KvCache("q4_0", "q4_0")
+
+
 def test_low_watermark_evicts_the_least_recently_used_idle_model_first():
     views = [view("a", 1000, last_used=3), view("b", 1000, last_used=1),
              view("k", 1000, stoppable=False, kv_ladder=LADDER, kv_adaptive=True)]
