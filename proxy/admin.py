@@ -15,7 +15,7 @@ from corral.proxy.errors import ApiError
 from corral.proxy.sse import KEEPALIVE, frame, sse_headers
 from corral.proxy.validate import bad, parse_json_object, require_json
 from corral.supervisor import pull as pulling
-from corral.supervisor.errors import ShuttingDown
+from corral.supervisor.errors import BadOverride, SettingsDiffer, ShuttingDown
 from corral.supervisor.port import Supervisor
 
 # What each refusal of a pull means in HTTP: the request is wrong (400), or it clashes with
@@ -38,8 +38,27 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         return web.json_response({"models": request.app[key].describe()})
 
     async def load(request: web.Request) -> web.Response:
+        # A body is optional: {"ctx": 8192, "cache_type_k": "q8_0", ..., "restart": true}
+        # sets this load's starts (docs/api.md); none loads the model as configured.
         daemon = request.app[key]
-        status = await daemon.load(request.match_info["name"])
+        overrides: dict[str, Any] = {}
+        if request.can_read_body:
+            require_json(request)
+            try:
+                raw = await request.read()
+            except web.RequestPayloadError as exc:
+                raise ApiError(400, f"could not read the request body: {exc}",
+                               "invalid_body") from exc
+            overrides = parse_json_object(raw) if raw.strip() else {}
+        restart = overrides.pop("restart", False)
+        if not isinstance(restart, bool):
+            raise bad("'restart' must be true or false", "restart")
+        try:
+            status = await daemon.load(request.match_info["name"], overrides, restart)
+        except BadOverride as exc:
+            raise bad(str(exc), exc.param, "invalid_override") from None
+        except SettingsDiffer as exc:
+            raise ApiError(409, str(exc), "settings_differ") from None
         return web.json_response(daemon.describe_one(status.name))
 
     async def unload(request: web.Request) -> web.Response:

@@ -104,3 +104,16 @@ class InUse(SupervisorError):
     """The model serves others' requests now; a user key may not cut them off."""
 
     retry_after = 5.0
+
+
+class BadOverride(SupervisorError):
+    """An admin load's override is unknown, or outside the bounds its model's config sets."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SettingsDiffer(SupervisorError):
+    """An admin load asks settings other than those the model runs with; only a restart
+    applies them."""

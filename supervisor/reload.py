@@ -34,6 +34,7 @@ LIVE_FIELDS = frozenset({
     "replicas_min", "replicas_max", "scale_after",  # the daemon adds or retires children
     "kv_adaptive", "kv_hold",  # read by the sampler, not the child
     "loading_progress", "request", "capabilities", "paths",  # read by the proxy
+    "override_bounds",  # read by the next admin load
 })
 
 # Read once, when `corral serve` starts (the listening socket, aiohttp's body limit, the pid

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import subprocess
 from collections.abc import Mapping, Sequence
 
 from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
@@ -23,8 +26,9 @@ class LlamaServer:
     lists_models = False
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
+        binary = find_executable(spec.binary, ("llama-server",))
         argv = [
-            find_executable(spec.binary, ("llama-server",)),
+            binary,
             "--model", str(spec.model_path),
             "--host", "127.0.0.1",
             # Always explicit: the binary's default port is about to change upstream.
@@ -54,6 +58,11 @@ class LlamaServer:
             # CUDA_VISIBLE_DEVICES lists them (the estimate split them the same way).
             argv += ["--tensor-split", ",".join(str(n) for n in spec.gpu_split)]
         argv += spec.args
+        # An admin load's draft settings: after args, so they win over the config's.
+        for value, new, old in ((spec.draft_max, "--spec-draft-n-max", "--draft-max"),
+                                (spec.draft_min, "--spec-draft-n-min", "--draft-min")):
+            if value is not None:
+                argv += [new if _speaks(binary, new) else old, str(value)]
         return argv
 
     def auth_env(self, api_key: str) -> dict[str, str]:
@@ -93,3 +102,21 @@ class LlamaServer:
     def tune(self, spec: ModelSpec, need: Mapping[str, int],
              gpu_totals: Mapping[str, int]) -> ModelSpec:
         return spec  # llama-server takes what its layers need, no share to set
+
+
+def _speaks(binary: str, flag: str) -> bool:
+    """Whether `binary`'s --help lists `flag` (llama.cpp renamed --draft-max to
+    --spec-draft-n-max, and the old name now refuses to start)."""
+    st = os.stat(binary)
+    text = _help(os.path.realpath(binary), st.st_mtime_ns, st.st_size)
+    return flag in text.replace(",", " ").split()
+
+
+@functools.lru_cache(maxsize=16)
+def _help(binary: str, mtime_ns: int, size: int) -> str:
+    try:
+        done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout + done.stderr

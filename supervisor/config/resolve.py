@@ -172,6 +172,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
             rpc_split=tuple(m.rpc.split) if m.rpc and isinstance(m.rpc.split, list) else None,
             rpc_threads=m.rpc.threads if m.rpc else 1,
             gpus=tuple(m.gpus or ()),
+            override_bounds=m.load_overrides or d.load_overrides,
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}

@@ -12,6 +12,7 @@ from corral.supervisor.config.schema import (
     Defaults,
     Fallback,
     GroupType,
+    LoadOverridesConfig,
     QuorumFallback,
     RequestFilters,
     Selector,
@@ -99,6 +100,12 @@ class ModelSpec:
     # GPU's share of its layers (percent, `--tensor-split`; empty on one GPU). Set at a start.
     placed_gpus: tuple[str, ...] | None = None
     gpu_split: tuple[int, ...] = ()
+    # Admin load overrides (supervisor/model/overrides.py): the bounds the config sets, and,
+    # on a start's spec only, the draft settings and what the operator overrode for it.
+    override_bounds: LoadOverridesConfig = field(default_factory=LoadOverridesConfig)
+    draft_max: int | None = None  # llama-server: tokens drafted per step (a draft configured)
+    draft_min: int | None = None
+    overrides: tuple[tuple[str, int | str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,16 @@ from corral.supervisor.ctl.exits import CtlError, Exit
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="a model name or alias (`corral ps` lists them)")
+    # An admin load's overrides (docs/api.md): this start only, within the config's bounds.
+    for flag, kind in (("--ctx", int), ("--cache-type-k", str), ("--cache-type-v", str),
+                       ("--parallel", int), ("--draft-max", int), ("--draft-min", int)):
+        parser.add_argument(flag, type=kind, help="for this start only (load_overrides: "
+                            "bounds it)")
+    parser.add_argument("--restart", action="store_true",
+                        help="restart the model if it runs with other settings")
+
+
+_OVERRIDES = ("ctx", "cache_type_k", "cache_type_v", "parallel", "draft_max", "draft_min")
 
 
 def add_stop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +34,11 @@ def add_stop_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(client: Client, args: argparse.Namespace, out: TextIO = sys.stdout) -> Exit:
     began = time.monotonic()
-    model = client.post(model_path(args.name, "load"), model=args.name)
+    body = {field: getattr(args, field, None) for field in _OVERRIDES}
+    body = {k: v for k, v in body.items() if v is not None}
+    if getattr(args, "restart", False):
+        body["restart"] = True
+    model = client.post(model_path(args.name, "load"), body or None, model=args.name)
     took = time.monotonic() - began
     if model.get("state") != "ready":
         # The load returned, yet the model is not serving: a stop came in meanwhile.

@@ -5,13 +5,22 @@ wins over whatever the model was doing."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 import structlog
 
 from corral.supervisor.daemon.door import Door
 from corral.supervisor.daemon.herd import Herd
 from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorError, Unloaded
-from corral.supervisor.model import Model
+from corral.supervisor.instance import State
+from corral.supervisor.model import Model, OperationRefused
+from corral.supervisor.model.overrides import (
+    Overrides,
+    SettingsDiffer,
+    check_overrides,
+    running_differs,
+)
 from corral.supervisor.tasks import TaskScope
 
 log = structlog.get_logger("corral.daemon")
@@ -23,13 +32,54 @@ class Admin:
         self._door = door
         self._tasks = tasks  # the daemon's: work a caller may walk away from
 
-    async def load(self, name: str) -> str:
+    async def load(self, name: str, overrides: Mapping[str, Any] | None = None,
+                   restart: bool = False) -> str:
         """Up and ready, with every replica its spec starts with; the model's name. A caller
         that hangs up only stops waiting. An operator asking explicitly is the retry a
-        back-off waits for."""
+        back-off waits for. `overrides` (checked before anything starts: BadOverride) apply
+        to the starts this load makes; a model already up with other settings is refused
+        (SettingsDiffer) unless `restart`, which drains and restarts it with them."""
         model = self._herd.model(name)
-        await self._tasks.run(self._load(model, ignore_backoff=True), f"load:{model.name}")
+        spec = model.spec
+        checked = await asyncio.to_thread(check_overrides, spec, overrides or {})
+        up = [r for r in model.members if r.state in (State.STARTING, State.READY)]
+        if up and not restart:
+            differs = running_differs(checked.apply(spec), up[0].started_with) \
+                if checked else []
+            if differs:
+                raise SettingsDiffer(
+                    f"{model.name} runs with other settings ({', '.join(differs)}: "
+                    + ", ".join(f"{f} {getattr(up[0].started_with, f)}" for f in differs)
+                    + "); load it again with \"restart\": true to restart it with these")
+        work = self._restart(model, checked) if up and restart else \
+            self._load_with(model, checked)
+        await self._tasks.run(work, f"load:{model.name}")
         return model.name
+
+    async def _load_with(self, model: Model, overrides: Overrides) -> None:
+        model.overrides = overrides
+        try:
+            await self._load(model, ignore_backoff=True)
+        finally:
+            if model.overrides is overrides:
+                model.overrides = Overrides()
+
+    async def _restart(self, model: Model, overrides: Overrides) -> None:
+        """Drain and restart in place (requests wait for it, none fail), with `overrides`."""
+        model.want()
+        model.overrides = overrides
+        try:
+            try:
+                model.restart("restarted by an admin load with new settings")
+            except OperationRefused as exc:
+                raise InUse(f"{model.name} is busy with another change: {exc}") from None
+            task = model.operation_task
+            if task is not None:
+                await asyncio.shield(task)
+            await self._load(model, ignore_backoff=True)  # raises what the restart hit
+        finally:
+            if model.overrides is overrides:
+                model.overrides = Overrides()
 
     async def _load(self, model: Model, ignore_backoff: bool) -> None:
         model.want()

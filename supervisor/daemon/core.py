@@ -257,8 +257,9 @@ class Daemon:
     def reload(self, trigger: str) -> asyncio.Task[reloading.ReloadAttempt]:
         return self.reloader.reload(trigger)
 
-    async def load(self, name: str) -> ModelStatus:
-        return self.status(await self.admin.load(name))
+    async def load(self, name: str, overrides: Mapping[str, Any] | None = None,
+                   restart: bool = False) -> ModelStatus:
+        return self.status(await self.admin.load(name, overrides, restart))
 
     async def unload(self, name: str, force: bool = False) -> ModelStatus:
         return self.status(await self.admin.unload(name, force))

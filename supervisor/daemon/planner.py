@@ -20,6 +20,7 @@ from corral.supervisor.memory.devices import CUDA_VISIBLE, visible_devices_of
 from corral.supervisor.memory.placement import GpuChoice
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.memory.view import Footprint
+from corral.supervisor.model.overrides import Overrides
 
 log = structlog.get_logger("corral.daemon")
 
@@ -51,10 +52,11 @@ class Planner:
                                    estimate=self.estimate, estimate_on=self.estimate_on)
 
     def view(self, i: Instance) -> policy.ModelView:
-        spec = i.spec
+        spec = self.settings_of(i)
         rs = self._herd.models.get(i.model)
+        # KV types an admin load set are that start's: no ladder step replaces them.
         ladder = tuple(policy.KvCache(k, v) for k, v in self._memory.ladder(spec)) \
-            if spec.kv_ladder else ()
+            if spec.kv_ladder and not Overrides(spec.overrides).fixes_kv else ()
         level = rs.kv_level if rs is not None else 0
         # A remote holds no memory and no room here: never counted against max_loaded, never
         # evicted (its state is its own business: door.py starts it without asking the policy).
@@ -109,6 +111,14 @@ class Planner:
             extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         return dataclasses.replace(placed, env={**spec.env, **extra})
 
+    def settings_of(self, inst: Instance) -> ModelSpec:
+        """The config's spec with the admin load overrides of the child that runs, or of the
+        start the model's load under way would make: what placement must count."""
+        if inst.state in LOADED_STATES:
+            return Overrides(inst.started_with.overrides).apply(inst.spec)
+        rs = self._herd.models.get(inst.model)
+        return rs.for_start(inst.spec) if rs is not None and rs.holds(inst) else inst.spec
+
     def footprint(self, inst: Instance) -> Footprint:
         return self._memory.footprint(inst) if inst.state in LOADED_STATES else {}
 
@@ -118,7 +128,7 @@ class Planner:
         inst = self.instance_of(name)
         if inst is None:
             return {}
-        spec = inst.spec
+        spec = self.settings_of(inst)
         if inst.state in LOADED_STATES and inst.started_with.placed_gpus is not None:
             # Where it runs (a KV step's saving is counted there).
             spec = dataclasses.replace(spec, placed_gpus=inst.started_with.placed_gpus,
@@ -133,7 +143,7 @@ class Planner:
         inst = self.instance_of(name)
         if inst is None:
             return {}
-        spec = self.placed(inst.spec, choice)
+        spec = self.placed(self.settings_of(inst), choice)
         return self._memory.need(spec, (kv.type_k or spec.cache_type_k,
                                        kv.type_v or spec.cache_type_v) if kv else
                                 (spec.cache_type_k, spec.cache_type_v))
@@ -159,8 +169,11 @@ class Planner:
             log.exception("daemon.gpu_choice_failed", model=inst.name)
             choice = None
 
+        rs = self._herd.models.get(inst.model)
+        overrides = rs.overrides if rs is not None and rs.holds(inst) else Overrides()
+
         def tune(spec: ModelSpec) -> ModelSpec:
-            return self.tune(self.placed(spec, choice, env=True))
+            return self.tune(self.placed(overrides.apply(spec), choice, env=True))
 
         inst.begin_start(self.http(), self._herd.on_spawn,
                          (kv.type_k, kv.type_v) if kv else None, tune=tune, reason=reason)

@@ -11,7 +11,7 @@ from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
 from corral.supervisor.daemon.herd import Herd
 from corral.supervisor.daemon.planner import Planner
 from corral.supervisor.errors import NotServed
-from corral.supervisor.instance import Instance, State
+from corral.supervisor.instance import LOADED_STATES, Instance, State
 from corral.supervisor.instance.view import describe as describe_instance
 from corral.supervisor.instance.view import rpc_state
 from corral.supervisor.inventory import cached_facts, read_facts
@@ -51,7 +51,8 @@ class ReadModel:
         # What its child holds per device (measured, the estimate until measured): the memory
         # tracker's, which the instance does not know.
         return {**describe_instance(inst, now), **model.describe(),
-                "memory_mib": mib_map(self._planner.footprint(inst))}
+                "memory_mib": mib_map(self._planner.footprint(inst)),
+                **_settings(inst)}
 
     def child_logs(self, key: str, lines: int) -> dict[str, Any]:
         """The last `lines` lines a model's child (or one replica's, "<model>#<n>") wrote."""
@@ -175,3 +176,13 @@ class ReadModel:
         a model does not (the header parse is fast, loading gguf/numpy is not)."""
         for spec in list(loaded.models.values()):
             await asyncio.to_thread(self._memory.warm, spec)
+
+
+def _settings(inst: Instance) -> dict[str, Any]:
+    """The settings an admin load may override, as its child runs them (the config's while
+    none runs), and the overrides in force (None: none, or not running)."""
+    running = inst.state in LOADED_STATES
+    spec = inst.started_with if running else inst.spec
+    return {"ctx": spec.ctx, "parallel": spec.parallel,
+            "draft_max": spec.draft_max, "draft_min": spec.draft_min,
+            "overrides": dict(spec.overrides) if running and spec.overrides else None}

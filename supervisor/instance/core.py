@@ -118,7 +118,7 @@ class Instance:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.spec.parallel - self.in_flight)
+        return max(0, self._slots_size - self.in_flight)
 
     @property
     def stop_pending(self) -> bool:
@@ -279,11 +279,11 @@ class Instance:
         """At a start: a reload changed `parallel`, so the new child gets a new set of slots.
         Leases still out return to the old set; requests blocked on the old set are woken, find
         the model STARTING, give their slot back and wait for this start like everyone else."""
-        if self._slots_size == self.spec.parallel:
+        if self._slots_size == self.started_with.parallel:
             return
         old = self._slots
-        self._slots = asyncio.Semaphore(self.spec.parallel)
-        self._slots_size = self.spec.parallel
+        self._slots = asyncio.Semaphore(self.started_with.parallel)
+        self._slots_size = self.started_with.parallel  # an admin load may set it
         for _ in range(self.queued):
             old.release()
 

@@ -20,6 +20,7 @@ from corral.supervisor.backends.base import Backend
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartBackoff, SupervisorError, Unloaded
 from corral.supervisor.instance import LOADED_STATES, Instance, State
+from corral.supervisor.model.overrides import Overrides
 from corral.supervisor.model.state import REPLACES, ModelState, OperationRefused, Wish
 from corral.supervisor.tasks import TaskScope
 
@@ -63,6 +64,9 @@ class Model:
         self.kv_level = 0  # the KV ladder step the model runs at (0: its best)
         self.kept = False  # the policy keeps it loaded (the pin)
         self.down = False  # an unload asked: it stays stopped until a request or a load
+        # An operator's load overrides, while that load runs: the starts it makes take them
+        # (the planner reads them for the estimate and the start); none after it.
+        self.overrides = Overrides()
         self._waiting: str | None = None  # why a pinned model is not up yet
         self._op: Operation | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -147,6 +151,16 @@ class Model:
     def describe(self) -> dict[str, Any]:
         return {"model_state": str(self.state()), "wish": str(self.wish),
                 "waiting": self.waiting}
+
+    def for_start(self, spec: ModelSpec) -> ModelSpec:
+        """The spec a start of one of its children runs now: the config, with the overrides
+        of the load under way."""
+        return self.overrides.apply(spec)
+
+    @property
+    def operation_task(self) -> asyncio.Task[None] | None:
+        op = self._op
+        return op.task if op is not None and not op.task.done() else None
 
     def up(self) -> list[Instance]:
         return [r for r in self.members if r.state in (State.STARTING, State.READY)]

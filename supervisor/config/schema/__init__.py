@@ -21,6 +21,7 @@ from corral.supervisor.config.schema.models import (
     ModelConfig,
     ReplicasConfig,
 )
+from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.policy import PolicyConfig
 from corral.supervisor.config.schema.prompt_cache import PromptCacheConfig
 from corral.supervisor.config.schema.request import RequestFilters
@@ -28,7 +29,8 @@ from corral.supervisor.config.schema.root import Config, split_listen
 from corral.supervisor.config.schema.rpc import PeerConfig, RpcConfig, WorkerConfig
 
 __all__ = ["BackendKind", "Capability", "CompareConfig", "Config", "Defaults", "ExtractConfig",
-           "Fallback", "GroupConfig", "GroupType", "KvCacheConfig", "MemoryConfig",
+           "Fallback", "GroupConfig", "GroupType", "KvCacheConfig", "LoadOverridesConfig",
+           "MemoryConfig",
            "ModelConfig", "PeerConfig", "PolicyConfig", "PromptCacheConfig", "QuorumFallback",
            "ReplicasConfig", "RequestFilters", "RpcConfig", "Selector", "SimilarConfig",
            "WorkerConfig", "ladder_step", "split_listen"]

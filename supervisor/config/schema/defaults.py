@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from corral.supervisor.config.schema.base import STRICT
 from corral.supervisor.config.schema.memory import KvCacheConfig
+from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.request import RequestFilters
 
 __all__ = ["Defaults"]
@@ -38,6 +39,9 @@ class Defaults(BaseModel):
     start_backoff_max: float = Field(60, ge=0, description="cap of that back-off")
     kv_cache: KvCacheConfig | None = Field(
         None, description="KV cache mode for every model (default: cache_type_k/v as set)")
+    load_overrides: LoadOverridesConfig = Field(
+        LoadOverridesConfig(), description="bounds of what an admin load may override for "
+        "one start, for every model that sets none of its own")
     request: RequestFilters | None = Field(
         None, description="request filters for every model that sets none of its own")
     loading_progress: bool = Field(

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config.schema.base import STRICT
 from corral.supervisor.config.schema.memory import KvCacheConfig
+from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.request import RequestFilters
 from corral.supervisor.config.schema.rpc import RpcConfig
 
@@ -72,6 +73,9 @@ class ModelConfig(BaseModel):
     kv_cache: KvCacheConfig | None = Field(
         None, description="auto / adaptive KV cache types from a ladder (default: "
         "defaults.kv_cache, else cache_type_k/v as set)")
+    load_overrides: LoadOverridesConfig | None = Field(
+        None, description="bounds of what an admin load may override for one start (ctx, "
+        "cache types, parallel, draft settings); default: defaults.load_overrides")
     args: list[str] = []
     # Environment values often carry tokens (HF_TOKEN, ...): secret, so never shown.
     env: dict[str, SecretStr] = {}
