@@ -20,8 +20,9 @@ from corral.proxy.child_http import (
 )
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from corral.proxy.families.wire import Wire, wire_for
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
-from corral.proxy.sse import DONE, error_event, sse_headers
+from corral.proxy.sse import sse_headers
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.port import Lease
 
@@ -116,7 +117,10 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
     `record` takes the timings and token counts; `started`: an event stream already sent to
     the client (loading progress), which the child's stream continues; `parsed`: what
     `body` parses to, when known; `answer_limit`: the bytes a whole answer may have (it is
-    held in memory: a bigger or endless one is a 502)."""
+    held in memory: a bigger or endless one is a 502).
+    The request's path decides its API family (proxy/families/wire.py): where its usage and
+    its model's name are, and how a broken stream ends."""
+    wire = wire_for(request.path)
     upstream = await open_child(pool, request.path, model, lease, body,
                                 request.headers.get("Accept", "*/*"), parsed)
     if record is not None:
@@ -124,7 +128,8 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
         record.restored = lease.restored
     try:
         if upstream.content_type == "text/event-stream":
-            response = await _relay_stream(request, upstream, model, record, started, lease)
+            response = await _relay_stream(request, upstream, model, record, started, lease,
+                                           wire)
         else:
             try:
                 payload = await upstream.read(answer_limit)
@@ -134,9 +139,10 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                 record.first_bytes()
                 record.answer = payload  # its usage is read once it is sent (finish)
             if lease.served_name is not None:
-                payload = rename_answer(payload, lease.served_name, lease.model)
+                payload = rename_answer(payload, lease.served_name, lease.model, wire)
             if started is not None:
-                response = await _end_with_answer(started, upstream.status, payload, model)
+                response = await _end_with_answer(started, upstream.status, payload, model,
+                                                  wire)
             else:
                 response = web.Response(status=upstream.status, body=payload,
                                         headers=_child_headers(upstream))
@@ -152,20 +158,20 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
 
 
 async def _end_with_answer(started: ClientWriter, status: int, payload: bytes,
-                           model: str) -> web.StreamResponse:
+                           model: str, wire: Wire) -> web.StreamResponse:
     """The child answered a stream already under way with a whole body (an error): said in
-    the stream, as an error event."""
+    the stream, as the family's error events."""
     message = payload[:300].decode(errors="replace")
-    await started.write(error_event(f"{model} answered HTTP {status}: {message}",
-                                    code="upstream_error"))
-    await started.write(DONE)
+    await started.write(wire.broken(f"{model} answered HTTP {status}: {message}",
+                                    "upstream_error", model, None) + wire.end)
     await started.finish()
     return started.response
 
 
 async def _relay_stream(request: web.Request, upstream: ChildResponse,
                         model: str, record: RequestRecord | None,
-                        started: ClientWriter | None, lease: Lease) -> web.StreamResponse:
+                        started: ClientWriter | None, lease: Lease,
+                        wire: Wire) -> web.StreamResponse:
     if started is not None:
         out = started
     else:
@@ -177,12 +183,16 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                                                            headers=headers), model)
         await out.prepare()
     tail = record.tail if record is not None else None
-    renamer = StreamRenamer(lease.served_name, lease.model) \
+    renamer = StreamRenamer(lease.served_name, lease.model, wire) \
         if lease.served_name is not None else None
-    # Once the head is out (with the first chunk), a stream that needs no rename goes from the
-    # child's connection straight into the client's transport, in the connection's callback:
-    # no task wakes per chunk. This task then waits for the end, a failure, or a client that
-    # is behind (it waits for the client, then the child is read again).
+    # The stream's first event, read from its first chunks only (Messages' input tokens, the
+    # Responses id its failure must name).
+    head = wire.head()
+    # Once the head is out (with the first chunk) and its first event read, a stream that
+    # needs no rename goes from the child's connection straight into the client's transport,
+    # in the connection's callback: no task wakes per chunk. This task then waits for the
+    # end, a failure, or a client that is behind (it waits for the client, then the child is
+    # read again).
     direct = renamer is None  # the first chunk is yet to go out the usual way
     sink: Callable[[bytes], bool] | None = None
     try:
@@ -204,8 +214,8 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                         else "upstream_failed")
                 log.warning("proxy.stream_broken", model=model, error=str(failure))
                 upstream.close()  # the child must see the hang-up (and drop the generation)
-                try:
-                    await out.write(error_event(str(failure), code=code))  # the client first
+                try:  # the client first, in its family's shape
+                    await out.write(wire.broken(str(failure), code, model, head))
                 finally:
                     # Even when that write fails, stalls or is cancelled (the client gone
                     # too): a dead child is marked failed now, a silent one probed now (and
@@ -222,12 +232,16 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 if not tail and record is not None:
                     record.first_bytes()
                 tail.append(chunk)  # the last few only: the usage is in the last event
+            if not head.done:
+                head.feed(chunk)
+                if head.done and record is not None:
+                    record.read_stream_head(head)
             if renamer is not None:
                 chunk = renamer.feed(chunk)
                 if not chunk:
                     continue
             await out.write(chunk)
-            if direct:
+            if direct and head.done:
                 direct = False
                 sink = out.through()
         await out.finish()

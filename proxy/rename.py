@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from corral.proxy.families.wire import CHAT, Wire
+
 __all__ = ["StreamRenamer", "rename_answer", "rename_request"]
 
 # The longest partial line a stream may hold back for renaming (an SSE event is far smaller).
@@ -32,30 +34,27 @@ def rename_request(body: Any, served_name: str) -> Any:
     return body
 
 
-def _renamed(data: Any, served_name: str, model: str) -> bool:
-    if isinstance(data, dict) and data.get("model") == served_name:
-        data["model"] = model
-        return True
-    return False
-
-
-def rename_answer(payload: bytes, served_name: str, model: str) -> bytes:
-    """A whole JSON answer naming `served_name` as its model, naming `model` instead."""
+def rename_answer(payload: bytes, served_name: str, model: str, wire: Wire = CHAT) -> bytes:
+    """A whole JSON answer naming `served_name` as its model, naming `model` instead (wherever
+    the answer's family names it)."""
     if served_name.encode() not in payload:
         return payload
     try:
         data = json.loads(payload)
     except ValueError:
         return payload
-    return _dumps(data) if _renamed(data, served_name, model) else payload
+    return _dumps(data) if wire.rename(data, served_name, model) else payload
 
 
 class StreamRenamer:
-    """An event stream's chunks, with `model` renamed in every `data:` event. Chunks split
-    events anywhere: whole lines go out, the last partial line waits for the next chunk."""
+    """An event stream's chunks, with the model renamed in every `data:` event, wherever the
+    stream's family names it (chat's chunks at the top, `response.model` in a Responses
+    event, `message.model` in a Messages one). Chunks split events anywhere: whole lines go
+    out, the last partial line waits for the next chunk."""
 
-    def __init__(self, served_name: str, model: str):
+    def __init__(self, served_name: str, model: str, wire: Wire = CHAT):
         self._served, self._needle, self._model = served_name, served_name.encode(), model
+        self._wire = wire
         self._rest = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -81,7 +80,7 @@ class StreamRenamer:
             event = json.loads(body)
         except ValueError:
             return line
-        if not _renamed(event, self._served, self._model):
+        if not self._wire.rename(event, self._served, self._model):
             return line
         ending = line[len(line.rstrip(b"\r\n")):]
         return b"data: " + _dumps(event) + ending

@@ -32,6 +32,12 @@ def named(event_id: int, kind: str, payload: Mapping[str, Any]) -> bytes:
             + b"\n\n")
 
 
+def typed(kind: str, payload: Mapping[str, Any]) -> bytes:
+    """An event with a type line, the way the Responses and Messages streams name theirs:
+    Anthropic's SDKs read only named events (an `error` one they raise on)."""
+    return f"event: {kind}\ndata: ".encode() + json.dumps(payload).encode() + b"\n\n"
+
+
 # A comment line: keeps proxies and browsers from timing out a quiet stream.
 KEEPALIVE = b": keep-alive\n\n"
 

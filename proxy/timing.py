@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.proxy.families.wire import StreamHead, Wire, wire_for
 from corral.supervisor.port import Lease, Restored
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
@@ -48,6 +49,11 @@ class RequestRecord:
     # A whole answer, kept until finish() reads its usage: after it was sent, not before.
     answer: bytes | None = None
 
+    @property
+    def wire(self) -> Wire:
+        """The API family of the endpoint: where its answers say their usage."""
+        return wire_for(self.endpoint)
+
     def leased(self, lease: Lease) -> None:
         """The lease is in: split the wait into start and queue. A request whose instance
         became ready after it came (a cold start, or a restart while it waited) is a miss,
@@ -82,7 +88,8 @@ class RequestRecord:
         return ", ".join(parts)
 
     def read_usage(self, body: bytes) -> None:
-        """Token counts from a whole JSON answer (OpenAI `usage`, llama-server `timings`).
+        """Token counts from a whole JSON answer (the family's `usage`, llama-server's
+        `timings`).
         Only those objects are parsed, found from the end: an embeddings answer of megabytes
         is not decoded on the event loop for two numbers."""
         found: dict[str, Any] = {}
@@ -102,6 +109,12 @@ class RequestRecord:
         if found:
             self._take_usage(found)
 
+    def read_stream_head(self, head: StreamHead) -> None:
+        """What a stream's first event counted: Messages' input tokens (its last events
+        count only the output)."""
+        if head.tokens_in is not None and self.prompt_tokens is None:
+            self.prompt_tokens = head.tokens_in
+
     def read_stream_tail(self) -> None:
         """Token counts from the last events of a stream (the chunks kept in `tail`)."""
         text = b"".join(self.tail)
@@ -116,12 +129,20 @@ class RequestRecord:
             if isinstance(data, dict):
                 self._take_usage(data)
                 return
+        # The last event began before the tail (a Responses stream ends with the whole
+        # response, its text included, in one event): its usage is at its end, near the
+        # stream's.
+        found = {key: value for key in ("usage", "timings")
+                 if (value := _object_after(text, key)) is not None}
+        if found:
+            self._take_usage(found)
 
     def _take_usage(self, data: dict[str, Any]) -> None:
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.prompt_tokens = _int(usage.get("prompt_tokens"))
-            self.completion_tokens = _int(usage.get("completion_tokens"))
+        tokens_in, tokens_out = self.wire.usage(data)
+        if tokens_in is not None:
+            self.prompt_tokens = tokens_in
+        if tokens_out is not None:
+            self.completion_tokens = tokens_out
         timings = data.get("timings")
         if isinstance(timings, dict):
             # llama-server's own figures: the prompt it evaluated (cache hits excluded) and

@@ -1,0 +1,216 @@
+"""What each API family says on the wire, as the relay needs it: where an answer's usage is,
+which objects name the model, and how a stream that broke after its head went out ends.
+
+Chat completions (`/v1/chat/completions` and every other OpenAI path) put the usage in
+`usage.prompt_tokens`/`completion_tokens` and the model at the top. OpenAI's Responses
+(`/v1/responses`) say `input_tokens`/`output_tokens`, in a whole answer's `usage` and in a
+stream's last event (`response.completed`, or `response.incomplete`/`response.failed`) as
+`response.usage`; its stream names the model in `response.model`. Anthropic's Messages
+(`/v1/messages`) count the input at the START of a stream (`message_start.message.usage`) and the
+output at its end (`message_delta.usage`), and leave the cache reads out of `input_tokens`; its
+stream names the model in `message.model`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from corral.proxy import request_id
+from corral.proxy.sse import DONE, error_event, typed
+
+__all__ = ["CHAT", "MESSAGES", "RESPONSES", "StreamHead", "Tokens", "Wire", "wire_for"]
+
+# (tokens in, tokens out): either may be unknown.
+Tokens = tuple[int | None, int | None]
+
+# The bytes of a stream's start kept to find its first event in (an event is far smaller).
+_HEAD_LIMIT = 64 * 1024
+# The chunks a stream's first event may be split over before corral stops looking for it.
+_HEAD_CHUNKS = 4
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _dict(value: object) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+class Wire:
+    """The chat completions family, and the base of the others."""
+
+    name = "chat"
+    # Objects inside an event or answer that carry their own `model` (besides the top).
+    nested: tuple[str, ...] = ()
+    # Whether the first event of a stream says something corral keeps (tokens, an id).
+    reads_head = False
+
+    def usage(self, data: dict[str, Any]) -> Tokens:
+        """The tokens an answer or a stream event reports, (None, None) when it has none."""
+        usage = _dict(data.get("usage"))
+        if usage is None:
+            return None, None
+        return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+
+    def rename(self, data: Any, served_name: str, model: str) -> bool:
+        """`model` for `served_name` wherever this family names the model in `data` (an
+        answer, or one event of a stream); whether anything changed."""
+        if not isinstance(data, dict):
+            return False
+        changed = False
+        for holder in (data, *(data.get(key) for key in self.nested)):
+            if isinstance(holder, dict) and holder.get("model") == served_name:
+                holder["model"] = model
+                changed = True
+        return changed
+
+    # What ends this family's stream for good after an error, where the stream would have
+    # ended with it (chat's `[DONE]`; the other families have no such line).
+    end = DONE
+
+    def broken(self, message: str, code: str, model: str, head: StreamHead | None) -> bytes:
+        """The events that end a stream broken after its head went out: what this family's
+        clients raise on. Chat: an event carrying an `error` object (the OpenAI SDKs raise
+        APIError on it)."""
+        return error_event(message, code=code)
+
+    def head(self) -> StreamHead:
+        return StreamHead(self)
+
+    def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
+        """Take what the stream's first event says into `head`; whether it was that event."""
+        return True
+
+
+class ResponsesWire(Wire):
+    """OpenAI's Responses API."""
+
+    name = "responses"
+    end = b""
+    nested = ("response",)
+    reads_head = True  # the response's id, for the `response.failed` that may end it
+
+    def usage(self, data: dict[str, Any]) -> Tokens:
+        usage = _dict(data.get("usage"))
+        if usage is None:  # a stream's final event carries the whole response
+            response = _dict(data.get("response"))
+            usage = _dict(response.get("usage")) if response is not None else None
+        if usage is None:
+            return None, None
+        # input_tokens counts the cached ones too (input_tokens_details.cached_tokens).
+        return _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+
+    def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
+        response = _dict(event.get("response"))
+        if response is None:
+            return False
+        if isinstance(response.get("id"), str):
+            head.response_id = response["id"]
+        return True
+
+    def broken(self, message: str, code: str, model: str, head: StreamHead | None) -> bytes:
+        """`response.failed` (the end Codex and the Agents SDK read: the response's status
+        and its error), then an `error` event: OpenAI's `{"type": "error", ...}` that also
+        carries an `error` object, which the OpenAI SDKs raise APIError on."""
+        text = request_id.tagged(message)
+        response_id = (head.response_id if head is not None else None) \
+            or f"resp_corral_{request_id.current() or int(time.time())}"
+        failed = {"type": "response.failed", "response": {
+            "id": response_id, "object": "response", "created_at": int(time.time()),
+            "status": "failed", "model": model, "usage": None,
+            "error": {"code": "server_error", "message": text}, "incomplete_details": None}}
+        error = {"type": "error", "code": code, "message": text, "param": None,
+                 "error": {"message": text, "type": "server_error", "code": code,
+                           "param": None}}
+        return typed("response.failed", failed) + typed("error", error)
+
+
+class MessagesWire(Wire):
+    """Anthropic's Messages API."""
+
+    name = "messages"
+    end = b""
+    nested = ("message",)
+    reads_head = True  # message_start: the input tokens
+
+    def usage(self, data: dict[str, Any]) -> Tokens:
+        usage = _dict(data.get("usage"))
+        if usage is None:
+            return None, None
+        return self._input(usage), _int(usage.get("output_tokens"))
+
+    @staticmethod
+    def _input(usage: dict[str, Any]) -> int | None:
+        # Anthropic's input_tokens leave out what came from the prompt cache: the prompt is
+        # all three (what OpenAI's prompt_tokens and input_tokens count).
+        tokens = _int(usage.get("input_tokens"))
+        if tokens is None:
+            return None
+        return tokens + (_int(usage.get("cache_read_input_tokens")) or 0) \
+            + (_int(usage.get("cache_creation_input_tokens")) or 0)
+
+    def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
+        if event.get("type") != "message_start":
+            return False
+        message = _dict(event.get("message"))
+        usage = _dict(message.get("usage")) if message is not None else None
+        if usage is not None:
+            head.tokens_in = self._input(usage)
+        return True
+
+    def broken(self, message: str, code: str, model: str, head: StreamHead | None) -> bytes:
+        """Anthropic's error event: the `event: error` line is what its SDKs raise on (an
+        event without a name they skip)."""
+        return typed("error", {"type": "error", "error": {
+            "type": "api_error", "message": request_id.tagged(message)}})
+
+
+CHAT = Wire()
+RESPONSES = ResponsesWire()
+MESSAGES = MessagesWire()
+_BY_PATH: dict[str, Wire] = {"/v1/responses": RESPONSES, "/v1/messages": MESSAGES}
+
+
+def wire_for(path: str) -> Wire:
+    """The family a request path speaks (chat's rules for every other OpenAI path)."""
+    return _BY_PATH.get(path, CHAT)
+
+
+class StreamHead:
+    """What a stream's first event says, read from its first chunks only (the relay passes
+    every later chunk on unread): the Messages input tokens, the Responses id."""
+
+    __slots__ = ("_buffer", "_chunks", "done", "response_id", "tokens_in", "wire")
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+        self.done = not wire.reads_head
+        self.tokens_in: int | None = None
+        self.response_id: str | None = None
+        self._buffer = b""
+        self._chunks = 0
+
+    def feed(self, chunk: bytes) -> None:
+        """One more chunk of the stream's start; `done` once the first event was read (or
+        the start was too long to hold one)."""
+        if self.done:
+            return
+        self._chunks += 1
+        self._buffer += chunk
+        for line in self._buffer.split(b"\n")[:-1]:  # whole lines only
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue
+            if isinstance(event, dict) and self.wire.read_head(event, self):
+                self._end()
+                return
+        if self._chunks >= _HEAD_CHUNKS or len(self._buffer) > _HEAD_LIMIT:
+            self._end()
+
+    def _end(self) -> None:
+        self.done, self._buffer = True, b""

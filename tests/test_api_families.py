@@ -1,0 +1,266 @@
+"""The Responses and Messages families on single models, through their own SDKs (OpenAI's
+`responses.create`, Anthropic's `messages.create` and `messages.stream`), against real
+llama-server children: the answer names corral's model, the tokens the SDK reports are the
+ones /admin/requests and /metrics count, a served_name never reaches the client in any event,
+and a child killed mid-stream ends the stream in the family's own error shape (each SDK
+raises), after which the next request gets a fresh child."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from conftest import Corral, CorralFactory, gone, llama_server_binary, wait_until
+
+ASK = "What is the capital of France?"
+SERVED = "tiny-served"  # what the command child calls its model; corral calls it tiny-cmd
+# A child killed mid-stream: its health check may find it gone before its exit is seen.
+pytestmark = pytest.mark.expect_log("instance.health_failed")
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, smol_model: Path,
+           tiny_models: dict[str, Path]) -> Corral:
+    return start_corral_module({
+        "defaults": {"ttl": 600, "stop_grace": 5},
+        "models": {
+            "smol": {"model": str(smol_model), "ctx": 2048},
+            # Thousands of tokens a second: a long stream to break, cheaply.
+            "tiny": {"model": str(tiny_models["tiny-a"]), "ctx": 8192},
+            # A server that knows its model by another name (and says so in every answer).
+            "tiny-cmd": {"backend": "command", "served_name": SERVED,
+                         "command": [llama_server_binary(), "--model",
+                                     str(tiny_models["tiny-b"]), "--host", "127.0.0.1",
+                                     "--port", "${PORT}", "--alias", SERVED,
+                                     "--ctx-size", "2048", "--threads", "1"]},
+        },
+    })
+
+
+def oai(corral: Corral) -> openai.OpenAI:
+    return corral.client(timeout=120)
+
+
+def claude(corral: Corral) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0,
+                               timeout=120)
+
+
+def last_request(corral: Corral, endpoint: str, stream: bool) -> dict[str, Any]:
+    """The latest /admin/requests entry of this kind (the tests of a module run one by one)."""
+    found = [r for r in corral.http.get("/admin/requests").json()["requests"]
+             if r["endpoint"] == endpoint and r["stream"] is stream]
+    assert found, corral.http.get("/admin/requests").json()
+    return found[-1]
+
+
+def token_counters(corral: Corral, model: str) -> tuple[float, float]:
+    text = corral.http.get("/metrics").text
+
+    def value(name: str) -> float:
+        found = re.search(rf'^{name}_total{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    return value("corral_prompt_tokens"), value("corral_completion_tokens")
+
+
+def anthropic_input(usage: Any) -> int:
+    """The whole prompt, as Anthropic's usage splits it (input_tokens leaves out the cache)."""
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0)
+               + (usage.cache_creation_input_tokens or 0))
+
+
+def counted(corral: Corral, endpoint: str, stream: bool, before: tuple[float, float],
+            tokens_in: int, tokens_out: int) -> None:
+    """corral counted exactly what the SDK reported: in /admin/requests and in /metrics."""
+    record = last_request(corral, endpoint, stream)
+    assert (record["model"], record["status"]) == ("smol", 200), record
+    assert (record["tokens_in"], record["tokens_out"]) == (tokens_in, tokens_out), record
+    assert record["ttft_ms"] is not None and record["ttfb_ms"] is not None, record
+    after = token_counters(corral, "smol")
+    assert (after[0] - before[0], after[1] - before[1]) == (tokens_in, tokens_out)
+
+
+def test_openai_sdk_responses_whole_and_streamed(corral: Corral) -> None:
+    client = oai(corral)
+    before = token_counters(corral, "smol")
+    reply = client.responses.create(model="smol", input=ASK, max_output_tokens=16)
+    assert reply.model == "smol" and reply.usage is not None, reply
+    assert reply.output_text
+    counted(corral, "/v1/responses", False, before, reply.usage.input_tokens,
+            reply.usage.output_tokens)
+
+    before = token_counters(corral, "smol")
+    events = list(client.responses.create(model="smol", input=ASK, max_output_tokens=16,
+                                          stream=True))
+    named = [e.response.model for e in events if getattr(e, "response", None) is not None
+             and getattr(e.response, "model", None) is not None]
+    assert named and set(named) == {"smol"}, events
+    completed = [e for e in events if e.type == "response.completed"]
+    assert len(completed) == 1 and completed[0].response.usage is not None, events[-2:]
+    usage = completed[0].response.usage
+    counted(corral, "/v1/responses", True, before, usage.input_tokens, usage.output_tokens)
+
+
+def test_anthropic_sdk_messages_create_and_stream(corral: Corral) -> None:
+    client = claude(corral)
+    before = token_counters(corral, "smol")
+    message = client.messages.create(model="smol", max_tokens=16,
+                                     messages=[{"role": "user", "content": ASK}])
+    assert message.model == "smol" and message.content, message
+    counted(corral, "/v1/messages", False, before, anthropic_input(message.usage),
+            message.usage.output_tokens)
+
+    before = token_counters(corral, "smol")
+    with client.messages.stream(model="smol", max_tokens=16,
+                                messages=[{"role": "user", "content": ASK}]) as stream:
+        starts = [e.message.model for e in stream if e.type == "message_start"]
+        final = stream.get_final_message()
+    assert starts == ["smol"] and final.model == "smol", final
+    assert final.stop_reason is not None, final
+    counted(corral, "/v1/messages", True, before, anthropic_input(final.usage),
+            final.usage.output_tokens)
+
+
+def test_server_timing_on_both_families(corral: Corral) -> None:
+    for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                       ("/v1/messages", {"max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            with corral.http.stream("POST", path, json={"model": "smol", "stream": stream,
+                                                         **body}) as response:
+                response.read()
+            assert response.status_code == 200, response.text
+            assert "ttfb;dur=" in response.headers.get("Server-Timing", ""), response.headers
+
+
+def raw_answer(corral: Corral, path: str, body: dict[str, Any]) -> bytes:
+    response = corral.http.post(path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+def sse_data(raw: bytes) -> Iterator[dict[str, Any]]:
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
+def test_a_served_name_never_reaches_the_client_in_either_family(corral: Corral) -> None:
+    """The command child names its model tiny-served in every answer and event (top-level,
+    `response.model`, `message.model`): the client hears tiny-cmd, byte for byte."""
+    hi = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        responses = raw_answer(corral, "/v1/responses", {
+            "model": "tiny-cmd", "input": "hi", "max_output_tokens": 4, "stream": stream})
+        messages = raw_answer(corral, "/v1/messages", {
+            "model": "tiny-cmd", "messages": hi, "max_tokens": 4, "stream": stream})
+        for raw in (responses, messages):
+            assert SERVED.encode() not in raw, raw.decode()[-600:]
+            assert b'"model":"tiny-cmd"' in raw.replace(b" ", b""), raw.decode()[-600:]
+        for path in ("/v1/responses", "/v1/messages"):
+            record = last_request(corral, path, stream)
+            assert record["model"] == "tiny-cmd", record
+            assert record["tokens_in"] and record["tokens_out"] == 4, record
+    # And through the SDKs, whole and streamed.
+    reply = oai(corral).responses.create(model="tiny-cmd", input="hi", max_output_tokens=4)
+    assert reply.model == "tiny-cmd"
+    events = list(oai(corral).responses.create(model="tiny-cmd", input="hi",
+                                               max_output_tokens=4, stream=True))
+    assert {e.response.model for e in events if e.type == "response.completed"} == {"tiny-cmd"}
+    with claude(corral).messages.stream(model="tiny-cmd", max_tokens=4, messages=hi) as stream:
+        assert stream.get_final_message().model == "tiny-cmd"
+
+
+def a_fresh_child_answers(corral: Corral, killed: int) -> None:
+    wait_until(lambda: gone(killed), timeout=15)
+    wait_until(lambda: corral.model("tiny")["in_flight"] == 0, timeout=15)
+    reply = claude(corral).messages.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.model == "tiny"
+    pid = corral.model("tiny")["pid"]
+    assert pid not in (None, killed) and not gone(pid)
+
+
+def ready_pid(corral: Corral) -> int:
+    assert corral.chat("tiny", max_tokens=1).status_code == 200
+    return int(corral.model("tiny")["pid"])
+
+
+LONG = {"ignore_eos": True}  # tiny-a writes its whole max_tokens, fast
+
+
+def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
+    pid = ready_pid(corral)
+    seen: list[str] = []
+    with pytest.raises(anthropic.APIError) as raised, claude(corral).messages.stream(
+            model="tiny", max_tokens=4000, extra_body=LONG,
+            messages=[{"role": "user", "content": "hi"}]) as stream:
+        for event in stream:
+            seen.append(event.type)
+            if len(seen) == 4:
+                os.kill(pid, signal.SIGKILL)
+    assert "message_stop" not in seen, seen
+    assert "tiny failed mid-stream" in str(raised.value), raised.value
+    a_fresh_child_answers(corral, pid)
+
+
+def test_kill_9_mid_stream_the_openai_sdk_raises_on_responses(corral: Corral) -> None:
+    pid = ready_pid(corral)
+    seen: list[Any] = []
+    with pytest.raises(openai.APIError) as raised:
+        for event in oai(corral).responses.create(model="tiny", input="hi", stream=True,
+                                                  max_output_tokens=4000, extra_body=LONG):
+            seen.append(event)
+            if len(seen) == 4:
+                os.kill(pid, signal.SIGKILL)
+    assert "tiny failed mid-stream" in str(raised.value), raised.value
+    # Before the error, the response itself ends failed, under the id it began with.
+    failed = [e for e in seen if e.type == "response.failed"]
+    assert len(failed) == 1 and failed[0].response.id == seen[0].response.id, seen[-3:]
+    assert failed[0].response.status == "failed" and failed[0].response.model == "tiny"
+    a_fresh_child_answers(corral, pid)
+
+
+def test_a_broken_messages_stream_ends_in_anthropics_error_shape(corral: Corral) -> None:
+    """On the wire: `event: error` and `{"type": "error", "error": {"type": "api_error"}}`,
+    with nothing of the chat family's (no `[DONE]`)."""
+    pid = ready_pid(corral)
+    body = {"model": "tiny", "max_tokens": 4000, "stream": True, **LONG,
+            "messages": [{"role": "user", "content": "hi"}]}
+    raw = b""
+    with corral.http.stream("POST", "/v1/messages", json=body) as response:
+        for chunk in response.iter_bytes():
+            if not raw:
+                os.kill(pid, signal.SIGKILL)
+            raw += chunk
+    assert raw.endswith(b"\n\n") and b"[DONE]" not in raw, raw[-300:]
+    last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1].decode()
+    kind, data = last.split("\n", 1)
+    assert kind == "event: error", last
+    error = json.loads(data.removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error", error
+    assert "request id" in error["error"]["message"], error
+    a_fresh_child_answers(corral, pid)
+
+
+def test_usage_of_a_long_responses_stream_whose_last_event_outgrows_the_tail(
+        corral: Corral) -> None:
+    """A Responses stream ends with the whole response (its text repeated in the last
+    events): its usage is still read from the end of the stream."""
+    events = list(oai(corral).responses.create(model="tiny", input="hi", stream=True,
+                                               max_output_tokens=3000, extra_body=LONG))
+    usage = events[-1].response.usage
+    assert usage is not None and usage.output_tokens == 3000, events[-1]
+    record = last_request(corral, "/v1/responses", True)
+    assert (record["tokens_in"], record["tokens_out"]) == (usage.input_tokens, 3000), record
+
