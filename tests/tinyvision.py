@@ -108,5 +108,5 @@ def png(width: int = 16, height: int = 16, rgb: tuple[int, int, int] = (200, 40,
             + chunk(b"IDAT", zlib.compress(row * height)) + chunk(b"IEND", b""))
 
 
-def png_data_url(**kwargs: object) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(**kwargs)).decode()  # type: ignore[arg-type]
+def png_data_url(width: int = 16, height: int = 16) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(width, height)).decode()
