@@ -51,7 +51,12 @@ def refuse_path(spec: ModelSpec, path: str) -> None:
 
 
 # Content parts that carry an image, in the chat, Responses and Messages shapes.
-_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+# Where a picture can sit inside a part or an input item: a message's content, a Messages
+# tool_result's content, a Responses function_call_output's output.
+_NESTED = ("content", "output")
+# How deep a picture is looked for: a tool result in a message is two levels down.
+_DEPTH = 4
 
 
 def check(spec: ModelSpec, path: str, body: dict[str, Any]) -> None:
@@ -64,23 +69,34 @@ def check(spec: ModelSpec, path: str, body: dict[str, Any]) -> None:
         raise ApiError(400, f"{spec.name!r} does not serve {path} (it answers "
                             f"{', '.join(spec.capabilities)}); set `capabilities:` on it in the "
                             f"config if it does", "unsupported_capability", param="model")
-    if need == "chat" and "vision" not in spec.capabilities and _has_image(body):
-        hint = "`capabilities: [chat, vision]` if it is a vision model" \
-            if spec.backend == "vllm" else "`mmproj:` in the config"
-        raise ApiError(400, f"{spec.name!r} cannot see images ({hint})", "vision_unsupported",
-                       param="messages")
+    if need == "chat" and "vision" not in spec.capabilities and has_image(body):
+        field = "input" if path == "/v1/responses" else "messages"
+        raise ApiError(400, f"{spec.name!r} cannot see images ({vision_hint(spec)})",
+                       "vision_unsupported", param=field)
 
 
-def _has_image(body: dict[str, Any]) -> bool:
-    for key in ("messages", "input"):
-        turns = body.get(key)
-        if not isinstance(turns, list):
+def vision_hint(spec: ModelSpec) -> str:
+    """What makes `spec` see: a llama-server child needs its projector file; any other
+    backend is told by the config that its server takes images."""
+    if spec.backend == "llama-server":
+        return "`mmproj:` in the config"
+    return "`capabilities: [chat, vision]` on it in the config if it is a vision model"
+
+
+def has_image(body: dict[str, Any]) -> bool:
+    """Whether a chat, Responses or Messages body carries a picture anywhere a server reads
+    one: a message's content, an input item that is itself an image, a tool's result."""
+    return any(_holds_image(body.get(key), 0) for key in ("messages", "input"))
+
+
+def _holds_image(value: object, depth: int) -> bool:
+    if depth > _DEPTH or not isinstance(value, list):
+        return False
+    for item in value:
+        if not isinstance(item, dict):
             continue
-        for turn in turns:
-            content = turn.get("content") if isinstance(turn, dict) else None
-            if isinstance(content, list) and any(
-                    isinstance(part, dict) and isinstance(part.get("type"), str)
-                    and part["type"] in _IMAGE_PARTS
-                    for part in content):
-                return True
+        if item.get("type") in IMAGE_PARTS:
+            return True
+        if any(_holds_image(item.get(key), depth + 1) for key in _NESTED):
+            return True
     return False

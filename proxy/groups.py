@@ -7,6 +7,7 @@ Every member call goes through the same door as a single-model request: `daemon.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -15,9 +16,9 @@ from typing import Any
 
 import structlog
 
-from corral.proxy import filters, votes
+from corral.proxy import capabilities, filters, group_images, votes
 from corral.proxy.child_http import ChildPool
-from corral.proxy.errors import UpstreamFailed
+from corral.proxy.errors import ApiError, UpstreamFailed
 from corral.proxy.forward import post_json
 from corral.proxy.group_outcome import GroupFailed as GroupFailed
 from corral.proxy.group_outcome import GroupOutcome as GroupOutcome
@@ -45,14 +46,8 @@ def member_body(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def last_user_text(messages: list[dict[str, Any]]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):  # content parts: keep the text ones
-                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
+    """The last user message's text (its text parts; its pictures are not text)."""
+    return group_images.user_turn(messages)[0]
 
 
 def with_user_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -82,7 +77,8 @@ class GroupRunner:
         filtered = filters.apply({**body, "model": model}, spec.request if spec else None)
         return {**filtered, "stream": stream}
 
-    async def call(self, model: str, body: dict[str, Any], timeout: float) -> MemberResult:
+    async def call(self, model: str, body: dict[str, Any], timeout: float, *,
+                   ignore_backoff: bool = False) -> MemberResult:
         """One attempt: acquire, ask, release. A timeout cancels the upstream request too."""
         started = time.monotonic()
 
@@ -92,7 +88,9 @@ class GroupRunner:
                                 finished_at=now, **kw)
 
         try:
-            async with asyncio.timeout(timeout), leased(self.daemon, model) as lease:
+            async with asyncio.timeout(timeout), leased(
+                    self.daemon, model, self.daemon.acquire(model, ignore_backoff=True)
+                    if ignore_backoff else None) as lease:
                 data = await post_json(self.pool, CHAT_PATH,
                                        self.body_for(model, body, stream=False), model, lease,
                                        limit=self.answer_limit())
@@ -108,16 +106,22 @@ class GroupRunner:
 
     async def member(self, group: GroupSpec, model: str, body: dict[str, Any],
                      held: Reservation | None = None) -> MemberResult:
-        """One member under the group's fallback rule."""
+        """One member under the group's fallback rule, told how many pictures it was sent."""
+        pictures = group_images.count(body.get("messages") or [])
+        if pictures and not self.sees(model):
+            return await self._blind(group, model, body, pictures, held)
         first = await self.call(model, body, group.member_timeout)
         if first.ok:
-            return first
+            return self._shown(first, pictures)
         if group.fallback == "retry_once":
             log.info("group.member_retry", group=group.name, model=model, error=first.error)
-            second = await self.call(model, body, group.member_timeout)
+            # A failed start put the model under its start back-off, which would refuse this
+            # very retry at once, untried: the group's own second attempt may start it.
+            second = await self.call(model, body, group.member_timeout, ignore_backoff=True)
             if second.ok:
-                return replace(second, status="retried",
-                               error=f"first attempt failed: {first.error}")
+                return self._shown(replace(second, status="retried",
+                                           error=f"first attempt failed: {first.error}"),
+                                   pictures)
             return replace(second, error=f"failed twice: {first.error}; then: {second.error}")
         backup = group.replace_with.get(model)
         if group.fallback == "replace_with" and backup:
@@ -129,10 +133,61 @@ class GroupRunner:
                 held.swap(model, backup)
             stand_in = await self.call(backup, body, group.member_timeout)
             if stand_in.ok:
-                return replace(stand_in, status="replaced", replaced=model,
-                               error=f"{model} failed: {first.error}")
+                return self._shown(replace(stand_in, status="replaced", replaced=model,
+                                           error=f"{model} failed: {first.error}"), pictures)
             return replace(first, error=f"{first.error}; backup {backup}: {stand_in.error}")
-        return first
+        return self._shown(first, pictures)
+
+    # -- pictures ------------------------------------------------------------------------------
+
+    def sees(self, model: str) -> bool:
+        """Whether `model` takes image parts (what a single request to it is checked for)."""
+        return self.daemon.resolve(model) is None \
+            or "vision" in self.daemon.spec(model).capabilities
+
+    def cannot_see(self, model: str) -> str:
+        spec = self.daemon.spec(model)
+        return f"{spec.name!r} cannot see images ({capabilities.vision_hint(spec)})"
+
+    @staticmethod
+    def _shown(result: MemberResult, pictures: int) -> MemberResult:
+        return replace(result, images=pictures) if pictures else result
+
+    async def _blind(self, group: GroupSpec, model: str, body: dict[str, Any], pictures: int,
+                     held: Reservation | None) -> MemberResult:
+        """A member that cannot see, sent a request with pictures: its backup when the group
+        has one that sees, else left out (strict groups refuse such a request up front)."""
+        why = f"{self.cannot_see(model)}; the request has {pictures} image(s)"
+        backup = group.replace_with.get(model) if group.fallback == "replace_with" else None
+        if backup and self.sees(backup):
+            log.info("group.member_replaced", group=group.name, model=model, backup=backup,
+                     error=why)
+            if held is not None and model in held.names:
+                held.swap(model, backup)
+            stand_in = await self.call(backup, body, group.member_timeout)
+            if stand_in.ok:
+                return replace(stand_in, status="replaced", replaced=model, images=pictures,
+                               error=f"{model} skipped: {why}")
+            return replace(stand_in, error=f"{model} skipped: {why}; backup {backup}: "
+                                           f"{stand_in.error}")
+        log.info("group.member_skipped", group=group.name, model=model, error=why)
+        return MemberResult(model, "skipped", error=f"skipped: {why}", images=0)
+
+    def refuse_blind(self, group: GroupSpec, body: dict[str, Any]) -> None:
+        """A strict group never answers without a member it has: a request with pictures
+        that one of them cannot see is a 400, as it is for that model alone, before anything
+        starts. A chain's step after one that sees works on its text, and needs no eyes."""
+        messages = body.get("messages") or []
+        if group.fallback != "strict" or not group_images.count(messages):
+            return
+        if group.type == "chain":
+            blind = list(itertools.takewhile(lambda m: not self.sees(m), group.models))
+        else:
+            blind = [m for m in group.models if not self.sees(m)]
+        if blind:
+            raise ApiError(400, f"group {group.name!r} cannot answer a request with images: "
+                                + "; ".join(self.cannot_see(m) for m in blind),
+                           "vision_unsupported", param="messages")
 
     # -- whole groups --------------------------------------------------------------------------
 
@@ -144,8 +199,9 @@ class GroupRunner:
         # Members that run together must fit together, and are held so one's cold start
         # cannot evict another. A chain's steps run one at a time: no such constraint.
         together = () if group.type == "chain" else group.models
-        self.daemon.check_capacity(together, f"group {group.name!r}")
         body = member_body(request)
+        self.refuse_blind(group, body)
+        self.daemon.check_capacity(together, f"group {group.name!r}")
         if group.response_format is not None and "response_format" not in body:
             body["response_format"] = group.response_format
         started = time.monotonic()
@@ -177,9 +233,7 @@ class GroupRunner:
         outcome.wall_ms = (time.monotonic() - started) * 1000
         log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
                  members=len(responses), wall_ms=round(outcome.wall_ms, 1))
-        agreed = outcome.tally is None or outcome.tally.quorum_met
-        self._publish(outcome, "ok" if agreed and outcome.ok_count == len(responses)
-                      else "partial")
+        self._publish(outcome, outcome.result)  # the word the answer's `complete` says
         return outcome
 
     def _publish(self, outcome: GroupOutcome, result: str) -> None:
@@ -204,48 +258,72 @@ class GroupRunner:
 
     async def _first_ok(self, group: GroupSpec, body: dict[str, Any],
                         held: Reservation) -> list[MemberResult]:
+        """Until required_responses members answered, or all are done: whether the group
+        succeeds is decided by that count, never by which member failed first."""
+        need = group.required_responses
         tasks = [asyncio.create_task(self.member(group, m, body, held)) for m in group.models]
         pending = set(tasks)
+        answered = 0
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if any(t.result().ok for t in done):
+                answered += sum(t.result().ok for t in done)
+                if answered >= need:
                     break
-        finally:  # the first good answer is in, or our caller is gone: stop the rest
+        finally:  # enough good answers are in, or our caller is gone: stop the rest
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return [MemberResult(model, "cancelled", error="another member answered first")
+        why = f"{need} member{'s' if need != 1 else ''} had answered"
+        return [MemberResult(model, "cancelled", error=f"not needed: {why}")
                 if task.cancelled() else task.result()
                 for task, model in zip(tasks, group.models, strict=True)]
 
     async def _chain(self, group: GroupSpec, body: dict[str, Any],
                      template: str | None) -> list[MemberResult]:
         messages = list(body.get("messages") or [])
-        original = last_user_text(messages)
+        original, pictures = group_images.user_turn(messages)
+        shown = group_images.count(messages) > 0
         shape = template or group.template or "{previous}"
         steps: list[MemberResult] = []
         previous: str | None = None
+        seen = False  # a step that sees has answered: the text after it stands for the picture
         for model in group.models:
             # Not str.format: client text must not reach format specs or attributes.
             text = original if previous is None else render_template(
                 shape, previous=previous, input=original)
-            step_body = {**body, "messages": with_user_text(messages, text)}
-            step = replace(await self.member(group, model, step_body), input=text)
-            steps.append(step)
-            if not step.ok:
+            # The template shapes the text part; the user's pictures go beside it, to each
+            # step that sees. A step that cannot see works on the text once one that sees
+            # answered; before that, it is refused or left out like any member (member()).
+            text_only = shown and seen and not self.sees(model)
+            step_messages = group_images.with_user_turn(
+                group_images.without_images(messages) if text_only else messages,
+                text, [] if text_only else pictures)
+            step = await self.member(group, model, {**body, "messages": step_messages})
+            if shown and step.images is None:
+                step = replace(step, images=group_images.count(step_messages))
+            steps.append(replace(step, input=text))
+            if step.failed:
                 break  # a chain cannot go on without its previous step's output
-            previous = step.content or ""
+            if step.ok:
+                previous = step.content or ""
+                seen = seen or (shown and self.sees(step.model))
         return steps
 
     def _enforce_fallback(self, outcome: GroupOutcome) -> None:
+        """Nothing answered fails any group. Under strict, fewer ok answers than
+        required_responses fail it (a chain cut short has fewer); at least that many succeed,
+        the failures reported beside them. Other fallbacks answer what came, complete: false
+        when it is too little."""
         group = outcome.group
-        failed = [r for r in outcome.responses if not r.ok and r.status != "cancelled"]
-        chain_cut = group.type == "chain" and len(outcome.responses) < len(group.models)
-        if outcome.ok_count == 0 or (group.fallback == "strict" and (failed or chain_cut)):
+        failed = [r for r in outcome.responses if r.failed]
+        short = outcome.ok_count < group.required_responses
+        if outcome.ok_count == 0 or (group.fallback == "strict" and short):
             detail = "; ".join(f"{r.model}: {r.error}" for r in failed) or "no member answered"
-            raise GroupFailed(f"group {group.name!r} failed ({group.fallback}): {detail}",
-                              outcome)
+            raise GroupFailed(
+                f"group {group.name!r} failed ({group.fallback}): {outcome.ok_count} of "
+                f"{len(group.models)} members answered, {group.required_responses} required: "
+                f"{detail}", outcome)
 
     # -- selectors -----------------------------------------------------------------------------
 
@@ -265,14 +343,13 @@ class GroupRunner:
             i, r = min(ok, key=lambda p: len(p[1].content or ""))
             return Selection(i, r.model, f"shortest answer ({len(r.content or '')} chars)")
         if selector == "majority" and outcome.tally is not None:
-            tally = outcome.tally
+            tally = outcome.tally  # its summary names the agreement: majority or less
             if tally.winner is None:  # nothing extracted from any answer: the first stands
                 i, r = ok[0]
-                return Selection(i, r.model, f"majority: {tally.summary()}; first in order")
+                return Selection(i, r.model, f"{tally.summary()}; first in order")
             i = tally.winner.centre
             tie = f"; tie broken by {tally.tie['broken_by']}" if tally.tie else ""
-            return Selection(i, outcome.responses[i].model,
-                             f"majority: {tally.summary()}{tie}")
+            return Selection(i, outcome.responses[i].model, f"{tally.summary()}{tie}")
         i, r = min(ok, key=lambda p: p[1].finished_at)
         return Selection(i, r.model, "first answer to arrive")
 
@@ -315,7 +392,9 @@ class GroupRunner:
         prompt = (f"{question}\n\nSeveral assistants answered this independently:\n\n"
                   f"{answers}\n\n{agreed}Using what they agree on, write the single best "
                   "answer.")
-        return {**body, "messages": with_user_text(messages, prompt)}
+        # The answers are text: the synthesizer reads them, not the pictures.
+        return {**body, "messages": group_images.without_images(
+            with_user_text(messages, prompt))}
 
     async def _synthesize(self, group: GroupSpec, body: dict[str, Any],
                           outcome: GroupOutcome) -> None:
@@ -383,20 +462,33 @@ class GroupRunner:
         tally, rule = outcome.tally, outcome.group.vote
         if tally is None or rule is None or tally.quorum_met or rule.on_no_quorum != "strict":
             return
-        raise GroupFailed(f"group {outcome.group.name!r}: no quorum: {tally.summary()}, "
-                          f"quorum is {tally.quorum}", outcome, "no_quorum")
+        raise GroupFailed(f"group {outcome.group.name!r}: no quorum: {tally.agree} of "
+                          f"{tally.voters} answers agree ({tally.compare}), quorum is "
+                          f"{tally.quorum}", outcome, "no_quorum")
 
 
 def agreement_note(tally: votes.Tally | None, number: dict[int, int]) -> str:
     """For a synthesizer: which of the numbered answers agreed (`number`: member index →
-    the answer's number in the prompt)."""
+    the answer's number in the prompt), and whether that is a majority."""
     if tally is None or tally.winner is None:
         return ""
+    how = f"compared by {tally.compare}"
+
+    def listed(bloc: votes.Bloc) -> str:
+        return ", ".join(str(number[i]) for i in bloc.members)
+
+    if tally.agreement == "no_majority":
+        if tally.agree == 1:
+            return f"No two of the {tally.voters} answers agree ({how}).\n\n"
+        first, *rest = tally.tied
+        return (f"No answer has a majority: answers {listed(first)} agree, "
+                + ", ".join(f"and so do answers {listed(b)}" for b in rest) + f" ({how}).\n\n")
     winner = tally.winner
-    agreeing = ", ".join(str(number[i]) for i in winner.members)
+    line = (f"Answers {listed(winner)} agree ({len(winner.members)} of {tally.voters}, "
+            f"{how}: {votes.shown(winner.vote)!r})")
+    if tally.agreement == "plurality":
+        line += ", more than any other answer but not a majority"
     others = [str(number[b.index]) for b in tally.ballots if b.index not in winner.members]
-    line = (f"Answers {agreeing} agree ({len(winner.members)} of {tally.voters}, "
-            f"compared by {tally.compare}: {votes.shown(winner.vote)!r})")
     if others:
         line += f"; answers {', '.join(others)} differ"
     return line + ".\n\n"

@@ -147,11 +147,21 @@ class Tally:
 
     @property
     def agreement(self) -> str:
-        """majority: more than half the answers agree; plurality: the biggest bloc is
-        smaller; none: no answer cast a vote."""
+        """majority: more than half the answers agree; plurality: fewer, but more than agree
+        on any other answer; no_majority: no bloc is bigger than every other (a tie, or no
+        two answers agree); none: no answer cast a vote."""
         if not self.blocs:
             return "none"
-        return "majority" if 2 * self.agree > self.voters else "plurality"
+        if 2 * self.agree > self.voters:
+            return "majority"
+        if len(self.blocs) > 1 and len(self.blocs[1].members) == self.agree:
+            return "no_majority"
+        return "plurality"
+
+    @property
+    def tied(self) -> list[Bloc]:
+        """The blocs as big as the winner's (the winner's alone when it has no rival)."""
+        return [b for b in self.blocs if len(b.members) == self.agree]
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -173,10 +183,20 @@ class Tally:
         return next((n for n, bloc in enumerate(self.blocs) if index in bloc.members), None)
 
     def summary(self) -> str:
-        """One line for a selection's reason or a prompt."""
+        """One line for a selection's reason or an error, opening with the agreement word."""
+        how = f"({self.compare})"
         if not self.blocs:
-            return f"no answer cast a vote ({self.compare})"
-        return f"{self.agree} of {self.voters} answers agree ({self.compare})"
+            return f"none: no answer cast a vote {how}"
+        agreement = self.agreement
+        if agreement == "majority":
+            return f"majority: {self.agree} of {self.voters} answers agree {how}"
+        if agreement == "plurality":
+            return (f"plurality: {self.agree} of {self.voters} answers agree, more than any "
+                    f"other answer but not a majority {how}")
+        if self.agree == 1:
+            return f"no_majority: no two of {self.voters} answers agree {how}"
+        return (f"no_majority: {len(self.tied)} blocs of {self.agree} of {self.voters} "
+                f"answers tie {how}")
 
 
 def _ranked(blocs: list[Bloc], tie_rule: str) -> tuple[list[Bloc], dict[str, Any] | None]:

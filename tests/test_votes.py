@@ -143,7 +143,7 @@ def test_exact_text_sees_no_agreement_where_the_regex_sees_two_votes(corral: Cor
     assert vote["agreement"] == "plurality" and vote["tie"] is None
     assert vote["blocs"][0] == {"vote": "paris", "members": [1, 2], "count": 2}
     assert result["selected"]["index"] == 1 and result["final"] == FIXED["paris-1"]
-    assert "2 of 4 answers agree (extract)" in result["selected"]["reason"]
+    assert result["selected"]["reason"].startswith("plurality: 2 of 4 answers agree")
     assert result["complete"] is True
 
 
@@ -437,7 +437,7 @@ def test_tally_by_value_counts_ties_and_abstentions() -> None:
     assert (tally.agree, tally.voters, tally.share, tally.quorum_met) == (2, 5, 0.4, False)
     assert tally.as_dict()["votes"][2] == {"index": 2, "model": "m2", "vote": None,
                                            "bloc": None}
-    assert tally.agreement == "plurality"
+    assert tally.agreement == "no_majority"  # two blocs of two: no view leads
     nobody = votes.tally_by_value("extract", cast(None, None))
     assert nobody.winner is None and nobody.agreement == "none" and nobody.quorum_met
 
