@@ -264,3 +264,56 @@ def test_usage_of_a_long_responses_stream_whose_last_event_outgrows_the_tail(
     record = last_request(corral, "/v1/responses", True)
     assert (record["tokens_in"], record["tokens_out"]) == (usage.input_tokens, 3000), record
 
+
+
+# -- the relay's readers, on bytes as a child may split them ---------------------------------
+
+MESSAGE_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"m1",'
+                 b'"type":"message","role":"assistant","content":[],"model":"tiny-served",'
+                 b'"usage":{"input_tokens":3,"cache_read_input_tokens":30,'
+                 b'"output_tokens":0}}}\n\n')
+
+
+def test_messages_input_tokens_are_read_from_a_message_start_split_over_chunks() -> None:
+    from corral.proxy.families.wire import MESSAGES
+    from corral.proxy.timing import RequestRecord
+
+    record = RequestRecord("tiny", "/v1/messages", stream=True)
+    head = MESSAGES.head()
+    for piece in (MESSAGE_START[:40], MESSAGE_START[40:90], MESSAGE_START[90:]):
+        assert not head.done
+        head.feed(piece)
+    assert head.done and head.tokens_in == 33
+    record.read_stream_head(head)
+    record.tail.append(b'event: message_delta\ndata: {"type":"message_delta","delta":'
+                       b'{"stop_reason":"end_turn"},"usage":{"output_tokens":7}}\n\n'
+                       b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    record.read_stream_tail()
+    assert (record.prompt_tokens, record.completion_tokens) == (33, 7)
+
+
+def test_a_responses_usage_is_read_when_the_last_event_began_before_the_tail() -> None:
+    from corral.proxy.timing import RequestRecord
+
+    record = RequestRecord("tiny", "/v1/responses", stream=True)
+    completed = (b'event: response.completed\ndata: {"type":"response.completed","response":'
+                 b'{"id":"r","model":"tiny","output":[{"type":"message","content":[{"type":'
+                 b'"output_text","text":"' + b"x" * 100_000 + b'"}]}],"usage":{"input_tokens"'
+                 b':12,"output_tokens":3000,"total_tokens":3012}}}\n\n')
+    for at in range(0, len(completed), 8192):  # only the last few chunks are kept
+        record.tail.append(completed[at:at + 8192])
+    record.read_stream_tail()
+    assert (record.prompt_tokens, record.completion_tokens) == (12, 3000)
+
+
+def test_the_served_name_is_renamed_where_each_family_names_its_model() -> None:
+    from corral.proxy.families.wire import MESSAGES, RESPONSES
+    from corral.proxy.rename import StreamRenamer
+
+    renamer = StreamRenamer(SERVED, "tiny-cmd", MESSAGES)
+    out = renamer.feed(MESSAGE_START[:70]) + renamer.feed(MESSAGE_START[70:]) + renamer.flush()
+    assert SERVED.encode() not in out and b'"model":"tiny-cmd"' in out, out
+    created = (b'event: response.created\ndata: {"type":"response.created","response":'
+               b'{"id":"r","model":"tiny-served","status":"in_progress"}}\n\n')
+    out = StreamRenamer(SERVED, "tiny-cmd", RESPONSES).feed(created)
+    assert SERVED.encode() not in out and b'"model":"tiny-cmd"' in out, out
