@@ -82,14 +82,18 @@ class Metrics:
         self.reloads = Counter("corral_reloads", "Config reloads by result", ["result"],
                                registry=r)
         self.group_requests = Counter("corral_group_requests", "Group runs by group, type and "
-                                      "result", ["group", "type", "result"], registry=r)
+                                      "result (ok: answered complete; partial: answered with "
+                                      "complete false; failed: an error)",
+                                      ["group", "type", "result"], registry=r)
         self.member_outcomes = Counter("corral_group_member_outcomes", "Group members' "
                                        "outcomes (ok, error, timeout, retried, replaced, "
-                                       "cancelled)", ["group", "model", "outcome"], registry=r)
+                                       "cancelled, skipped)", ["group", "model", "outcome"],
+                                       registry=r)
         self.votes = Counter("corral_group_votes", "Group votes by group, comparison and "
                              "agreement (majority: more than half the answers agree; "
-                             "plurality: fewer; none: no answer cast a vote)",
-                             ["group", "compare", "agreement"], registry=r)
+                             "plurality: fewer, but more than agree on any other answer; "
+                             "no_majority: a tie, or no two agree; none: no answer cast a "
+                             "vote)", ["group", "compare", "agreement"], registry=r)
         self.vote_agreeing = Counter("corral_group_vote_agreeing_answers", "Answers in the "
                                      "winning bloc of a vote (over corral_group_vote_answers: "
                                      "the mean winning share)", ["group"], registry=r)
