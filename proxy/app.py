@@ -37,7 +37,7 @@ from corral.proxy.errors import (
     shape_of,
 )
 from corral.proxy.forward import relay
-from corral.proxy.group_routes import batch_execute, chain_execute, chat_with_group
+from corral.proxy.group_routes import GROUP_FAMILIES, batch_execute, chain_execute, group_as_model
 from corral.proxy.groups import GroupRunner
 from corral.proxy.routing import GroupTarget, resolve, upstream_body
 from corral.proxy.upstream import leased
@@ -320,10 +320,11 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     record.stream = body.get("stream") is True
     target = resolve(daemon, name)
     if isinstance(target, GroupTarget):
-        if request.path != "/v1/chat/completions":
-            raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions",
-                           "group_endpoint", param="model")
-        return await chat_with_group(request, request.app[GROUPS], target.group, body)
+        family = GROUP_FAMILIES.get(request.path)
+        if family is None:
+            raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions, "
+                           "/v1/responses and /v1/messages", "group_endpoint", param="model")
+        return await group_as_model(request, request.app[GROUPS], target.group, body, family)
     canonical = record.model = target.name
     spec = daemon.spec(canonical)
     # Only what its backend serves (proxy/capabilities.py): a 404 before anything starts.

@@ -28,6 +28,10 @@ class MemberResult:
     replaced: str | None = None  # for status "replaced": the member this answer stands in for
     input: str | None = None  # chain steps: the user message's text this step was given
     images: int | None = None  # image parts this member was sent (None: the request had none)
+    # What else the answer said, for a group answering as this member: its tool calls (chat
+    # shape) and why it ended (stop | length | tool_calls).
+    tool_calls: list[dict[str, Any]] | None = None
+    finish: str | None = None
     finished_at: float = field(default=0.0, repr=False)
 
     @property
@@ -48,6 +52,8 @@ class MemberResult:
             out["input"] = self.input
         if self.images is not None:
             out["images"] = self.images
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
         return out
 
 

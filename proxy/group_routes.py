@@ -1,13 +1,12 @@
-"""HTTP for groups: /v1/batch/execute, /v1/chain/execute, and exposed groups answering
-/v1/chat/completions (whole, or streamed as ordinary SSE)."""
+"""HTTP for groups: /v1/batch/execute, /v1/chain/execute, and exposed groups answering as
+models on /v1/chat/completions, /v1/responses and /v1/messages (whole, or streamed in the
+client's family)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
@@ -25,8 +24,17 @@ from corral.proxy.errors import (
     error_response,
     http_error,
 )
+from corral.proxy.families import translate
+from corral.proxy.families.streams import FamilyWriter, writer_for
+from corral.proxy.families.translate import Answer
 from corral.proxy.forward import open_child
-from corral.proxy.groups import CHAT_PATH, GroupFailed, GroupOutcome, GroupRunner
+from corral.proxy.groups import (
+    CHAT_PATH,
+    GroupFailed,
+    GroupOutcome,
+    GroupRunner,
+    MemberResult,
+)
 from corral.proxy.routing import group_by_name
 from corral.proxy.upstream import leased
 from corral.proxy.validate import bad, check_fields, check_messages
@@ -127,45 +135,50 @@ def _ad_hoc_chain(daemon: Supervisor, models: object) -> GroupSpec:
         synthesizer=None, template=None, expose_as_model=False)
 
 
-# -- a group answering /v1/chat/completions --------------------------------------------------
+# -- a group answering as a model: chat completions, Responses, Messages -------------------
 
-class _Completion:
-    """Builds OpenAI chat.completion objects and chunks for a group's answer."""
-
-    def __init__(self, group: GroupSpec):
-        self.group = group
-        self.id = f"chatcmpl-corral-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-
-    def whole(self, outcome: GroupOutcome) -> dict[str, Any]:
-        return {
-            "id": self.id, "object": "chat.completion", "created": self.created,
-            "model": self.group.name,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": outcome.answer()}}],
-            "usage": outcome.usage(),
-            "corral_group": outcome.as_dict(),
-        }
-
-    def chunk(self, delta: dict[str, Any] | None, finish: str | None = None,
-              **extra: Any) -> bytes:
-        choices = [] if delta is None else [{"index": 0, "delta": delta,
-                                             "finish_reason": finish}]
-        return sse.frame({"id": self.id, "object": "chat.completion.chunk",
-                          "created": self.created, "model": self.group.name,
-                          "choices": choices, **extra})
+# The paths an exposed group answers as a model, and the family each speaks.
+GROUP_FAMILIES = {"/v1/chat/completions": "chat", "/v1/responses": "responses",
+                  "/v1/messages": "messages"}
 
 
-async def chat_with_group(request: web.Request, runner: GroupRunner, group: GroupSpec,
-                          body: dict[str, Any]) -> web.StreamResponse:
+def final_answer(outcome: GroupOutcome, finish: str | None = None) -> Answer:
+    """What the group answers: its text, and the tool calls and end of the member whose
+    answer it is (a chain's last step, a fan-out's selected member). A parallel group's
+    joined answers and a consensus synthesis carry no tool calls."""
+    group = outcome.group
+    source = None
+    if group.type == "chain":
+        done = [r for r in outcome.responses if r.ok]
+        source = done[-1] if done else None
+    elif group.type == "fan_out" and outcome.selected is not None:
+        source = outcome.responses[outcome.selected.index]
+    calls = list(source.tool_calls or []) if source is not None else []
+    end = "tool_calls" if calls else finish or (source.finish if source else None) or "stop"
+    return Answer(outcome.answer(), calls, end, outcome.usage())
+
+
+async def group_as_model(request: web.Request, runner: GroupRunner, group: GroupSpec,
+                         client_body: dict[str, Any], family: str) -> web.StreamResponse:
+    """An exposed group asked like a model in `family` (chat, responses, messages): the
+    request becomes the chat request the group runs, the answer is in the client's family."""
+    body = translate.to_chat(family, client_body)
+    if family != "chat" and "template" in client_body:
+        body["template"] = client_body["template"]
     check_group_request(body)  # an exposed chain takes a request's template too
-    completion = _Completion(group)
+    writer = writer_for(family, group.name)
+    synthesis_end: list[str | None] = []
     if not body.get("stream"):
+        async def synthesize(outcome: GroupOutcome) -> None:
+            # As the runner would, keeping how the synthesis ended (a cut one says so).
+            synthesis_end.append((await _synthesis(runner, body, outcome)).finish)
+
         try:
-            outcome = await runner.run(group, body)
+            outcome = await runner.run(group, body, final_step=synthesize)
         except GroupFailed as exc:
             return failed_response(exc, runner.daemon)
-        return web.json_response(completion.whole(outcome))
+        answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
+        return web.json_response(writer.whole(answer, outcome.as_dict()))
 
     response = web.StreamResponse(headers=sse.sse_headers())
     # Every write has the client's deadline: one that stops reading is cut off (ClientStalled)
@@ -174,37 +187,43 @@ async def chat_with_group(request: web.Request, runner: GroupRunner, group: Grou
     try:
         if group.type == "consensus":
             async def relay_synthesis(outcome: GroupOutcome) -> None:
-                await _stream_synthesis(out, runner, completion, body, outcome)
+                synthesis_end.append(
+                    await _stream_synthesis(out, runner, writer, body, outcome))
 
             outcome = await runner.run(group, body, final_step=relay_synthesis)
         else:
             outcome = await runner.run(group, body)
             await out.prepare()
-            await out.write(completion.chunk({"role": "assistant",
-                                              "content": outcome.answer()}))
-            await out.write(completion.chunk({}, finish="stop"))
+            await out.write(writer.start(outcome.usage()["prompt_tokens"])
+                            + writer.text(outcome.answer()))
     except GroupFailed as exc:
         if not response.prepared:
             return failed_response(exc, runner.daemon)
         code = "shutting_down" if runner.daemon.closing else exc.code
-        await out.write(sse.error_event(str(exc), code=code))
+        await out.write(writer.error(str(exc), code))
         await out.finish()
         return response
-    await out.write(completion.chunk(None, usage=outcome.usage(),
-                                     corral_group=outcome.as_dict()))
-    await out.write(sse.DONE)
+    answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
+    await out.write(writer.finish(answer, outcome.as_dict()))
     await out.finish()
     return response
 
 
-async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: _Completion,
-                            body: dict[str, Any], outcome: GroupOutcome) -> None:
-    """Relay the synthesizer's own token stream, renamed to the group, as it is written."""
+async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, writer: FamilyWriter,
+                            body: dict[str, Any], outcome: GroupOutcome) -> str | None:
+    """Relay the synthesizer's own token stream, in the client's family, as it is written;
+    how it ended (stop, length). A synthesizer that speaks another family (`api:`) is asked
+    whole, and its answer written at once."""
     group = outcome.group
     model = group.synthesizer
     assert model
+    if runner.api_of(model) != "chat":
+        return await _whole_synthesis(out, runner, writer, body, outcome)
     payload = runner.body_for(model, runner.synthesis_body(group, body, outcome), stream=True)
+    # Its usage in the last chunk: the group's usage counts the synthesis too.
+    payload["stream_options"] = {"include_usage": True}
     text: list[str] = []
+    finish: str | None = None
     try:
         # member_timeout bounds the wait for its first byte (its start included), not the
         # answer, which streams to the client as long as it streams.
@@ -217,10 +236,13 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: 
             try:
                 await _expect_ok(upstream, model)
                 await out.prepare()
+                await out.write(writer.start(outcome.usage()["prompt_tokens"]))
                 async with contextlib.aclosing(_events(upstream, model)) as events:
                     async for event in events:
-                        _rename(event, group.name, completion.id, text, outcome)
-                        await out.write(sse.frame(event))
+                        delta, end = _read_chunk(event, outcome)
+                        finish = end or finish
+                        text.append(delta)
+                        await out.write(writer.text(delta))
             except BaseException:
                 upstream.close()  # the child must see the hang-up (and drop the generation)
                 raise
@@ -229,6 +251,32 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, completion: 
         raise GroupFailed(f"group {group.name!r}: synthesizer {model} failed: "
                           f"{exc or type(exc).__name__}", outcome) from exc
     outcome.final = "".join(text)
+    return finish
+
+
+async def _synthesis(runner: GroupRunner, body: dict[str, Any],
+                     outcome: GroupOutcome) -> MemberResult:
+    """The synthesizer's whole answer, as the group's final one (its usage counted)."""
+    group = outcome.group
+    assert group.synthesizer
+    result = await runner.call(group.synthesizer, runner.synthesis_body(group, body, outcome),
+                               group.member_timeout)
+    if result.usage:
+        outcome.extra_usage.append(result.usage)
+    if not result.ok:
+        raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
+                          f"{result.error}", outcome)
+    outcome.final = result.content or ""
+    return result
+
+
+async def _whole_synthesis(out: ClientWriter, runner: GroupRunner, writer: FamilyWriter,
+                           body: dict[str, Any], outcome: GroupOutcome) -> str | None:
+    result = await _synthesis(runner, body, outcome)
+    await out.prepare()
+    await out.write(writer.start(outcome.usage()["prompt_tokens"])
+                    + writer.text(result.content or ""))
+    return result.finish
 
 
 async def _expect_ok(upstream: ChildResponse, model: str) -> None:
@@ -267,13 +315,13 @@ async def _events(upstream: ChildResponse, model: str) -> AsyncGenerator[dict[st
                              f"{exc or type(exc).__name__}") from exc
 
 
-def _rename(event: dict[str, Any], group: str, stream_id: str, text: list[str],
-            outcome: GroupOutcome) -> None:
-    """One synthesizer event as the group's own: its name, one id for the whole stream."""
-    event["model"] = group
-    event["id"] = stream_id
-    for choice in event.get("choices") or []:
-        if isinstance(choice, dict):
-            text.append((choice.get("delta") or {}).get("content") or "")
+def _read_chunk(event: dict[str, Any], outcome: GroupOutcome) -> tuple[str, str | None]:
+    """One synthesizer chunk: its text and finish reason; its usage is the group's."""
     if event.get("usage"):
         outcome.extra_usage.append(event["usage"])
+    for choice in event.get("choices") or []:
+        if isinstance(choice, dict):
+            delta = choice.get("delta") or {}
+            return (delta.get("content") or "" if isinstance(delta, dict) else "",
+                    choice.get("finish_reason"))
+    return "", None

@@ -19,6 +19,7 @@ import structlog
 from corral.proxy import capabilities, filters, group_images, votes
 from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import ApiError, UpstreamFailed
+from corral.proxy.families import translate
 from corral.proxy.forward import post_json
 from corral.proxy.group_outcome import GroupFailed as GroupFailed
 from corral.proxy.group_outcome import GroupOutcome as GroupOutcome
@@ -77,9 +78,15 @@ class GroupRunner:
         filtered = filters.apply({**body, "model": model}, spec.request if spec else None)
         return {**filtered, "stream": stream}
 
+    def api_of(self, model: str) -> str:
+        """The family `model` is asked in (`api:` on command and remote models): chat unless
+        it speaks only Responses or only Messages."""
+        return self.daemon.status(model).spec.api if self.daemon.resolve(model) else "chat"
+
     async def call(self, model: str, body: dict[str, Any], timeout: float, *,
                    ignore_backoff: bool = False) -> MemberResult:
-        """One attempt: acquire, ask, release. A timeout cancels the upstream request too."""
+        """One attempt: acquire, ask, release. A timeout cancels the upstream request too.
+        A member that speaks another family is asked in it, and answers back as chat."""
         started = time.monotonic()
 
         def result(status: str, **kw: Any) -> MemberResult:
@@ -87,22 +94,25 @@ class GroupRunner:
             return MemberResult(model, status, latency_ms=(now - started) * 1000,
                                 finished_at=now, **kw)
 
+        api = self.api_of(model)
         try:
             async with asyncio.timeout(timeout), leased(
                     self.daemon, model, self.daemon.acquire(model, ignore_backoff=True)
                     if ignore_backoff else None) as lease:
-                data = await post_json(self.pool, CHAT_PATH,
-                                       self.body_for(model, body, stream=False), model, lease,
-                                       limit=self.answer_limit())
+                data = await post_json(
+                    self.pool, translate.PATHS[api],
+                    translate.member_request(api, self.body_for(model, body, stream=False)),
+                    model, lease, limit=self.answer_limit())
         except TimeoutError:
             return result("timeout", error=f"no answer within {timeout:g}s (cancelled)")
         except (SupervisorError, UpstreamFailed) as exc:
             return result("error", error=str(exc))
         try:
-            content = data["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
+            answer = translate.member_answer(api, data)
+        except (KeyError, IndexError, TypeError, AttributeError):
             return result("error", error=f"{model} answered without a message: {str(data)[:200]}")
-        return result("ok", content=content, usage=data.get("usage"))
+        return result("ok", content=answer.text, usage=answer.usage,
+                      tool_calls=answer.tool_calls or None, finish=answer.finish)
 
     async def member(self, group: GroupSpec, model: str, body: dict[str, Any],
                      held: Reservation | None = None) -> MemberResult:

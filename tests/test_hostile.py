@@ -234,6 +234,7 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
     the transport closing and the handler's cancellation): the synthesizer streams fine, the
     client's socket is gone."""
     from corral.proxy import group_routes
+    from corral.proxy.families.streams import FamilyWriter
     from corral.proxy.groups import GroupOutcome
     from corral.supervisor.config import GroupSpec
     from corral.supervisor.port import Broken, Lease
@@ -272,13 +273,14 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
     runner = SimpleNamespace(daemon=SimpleNamespace(acquire=acquire, closing=False),
                              pool=SimpleNamespace(post=post),
                              synthesis_body=lambda *_: {"messages": HI},
+                             api_of=lambda _model: "chat",
                              body_for=lambda model, body, stream: {**body, "model": model,
                                                                    "stream": stream})
     outcome = GroupOutcome(group, [], 0.0)
 
     async def run() -> None:
         await group_routes._stream_synthesis(_Gone(), runner,  # type: ignore[arg-type]
-                                             group_routes._Completion(group), {}, outcome)
+                                             FamilyWriter(group.name), {}, outcome)
 
     with pytest.raises(ConnectionResetError):
         asyncio.run(run())

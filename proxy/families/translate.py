@@ -1,0 +1,449 @@
+"""Requests and answers between the three API families, for groups: a group runs on chat
+requests, so a Responses or Messages client's request becomes one (`to_chat`), and a member
+that speaks only Responses or only Messages (`api:` on a command or remote model) gets the
+chat request in its own family and its answer back as chat (`member_request`,
+`member_answer`). Text, images, tools, tool calls and their results translate; what has no
+counterpart in the other family (a provider's built-in tools, reasoning items) is left out."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.proxy.errors import ApiError
+
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
+         "messages": "/v1/messages"}
+# A Messages request must say how long an answer may be; a chat request need not.
+DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass
+class Answer:
+    """One assistant answer in chat terms: what a member said, or what a group answers."""
+
+    text: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat `tool_calls`
+    finish: str = "stop"  # stop | length | tool_calls
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+
+
+def bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, "invalid_request", param=param)
+
+
+def chat_usage(prompt: Any, completion: Any) -> dict[str, int]:
+    p, c = int(prompt or 0), int(completion or 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# -- a client's request, as the chat request a group runs ----------------------------------
+
+def to_chat(family: str, body: dict[str, Any]) -> dict[str, Any]:
+    if family == "responses":
+        return responses_to_chat(body)
+    if family == "messages":
+        return messages_to_chat(body)
+    return body
+
+
+def _copy(body: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {new: body[old] for old, new in names.items() if body.get(old) is not None}
+
+
+def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("previous_response_id") is not None:
+        raise bad("corral keeps no responses: send the whole conversation in 'input' instead "
+                  "of 'previous_response_id'", "previous_response_id")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    source = body.get("input")
+    if isinstance(source, str):
+        messages.append({"role": "user", "content": source})
+    elif isinstance(source, list):
+        for n, item in enumerate(source):
+            _response_item(item, messages, f"input[{n}]")
+    else:
+        raise bad("'input' must be a string or a list of input items", "input")
+    chat: dict[str, Any] = {
+        "model": body.get("model"), "messages": messages,
+        **_copy(body, {"temperature": "temperature", "top_p": "top_p", "stream": "stream",
+                       "max_output_tokens": "max_tokens", "parallel_tool_calls":
+                       "parallel_tool_calls"})}
+    tools = [_response_tool(t) for t in body.get("tools") or []
+             if isinstance(t, dict) and t.get("type") == "function"]
+    if tools:
+        chat["tools"] = tools
+        choice = body.get("tool_choice")
+        if isinstance(choice, str):
+            chat["tool_choice"] = choice
+        elif isinstance(choice, dict) and choice.get("type") == "function":
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    text_format = (body.get("text") or {}).get("format") if isinstance(
+        body.get("text"), dict) else None
+    if isinstance(text_format, dict) and text_format.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            k: text_format[k] for k in ("name", "schema", "strict", "description")
+            if k in text_format}}
+    elif isinstance(text_format, dict) and text_format.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    return chat
+
+
+def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> None:
+    if not isinstance(item, dict):
+        raise bad(f"{where} must be an object", "input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad(f"{where}.role must be user, assistant, system or developer", "input")
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [_response_part(p, f"{where}.content") for p in content]
+            if role != "user":  # only a user turn's content may carry images in chat
+                content = "".join(p.get("text", "") for p in content)
+        elif not isinstance(content, str):
+            raise bad(f"{where}.content must be a string or a list of parts", "input")
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": content})
+    elif kind == "function_call":
+        call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                "function": {"name": item.get("name"),
+                             "arguments": item.get("arguments") or "{}"}}
+        last = messages[-1] if messages else None
+        # Calls made in one turn are one assistant message in chat.
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+            if not last.get("content"):
+                last["content"] = None
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": output if isinstance(output, str) else json.dumps(output)})
+    elif kind in ("reasoning", "item_reference"):
+        return  # a model's own reasoning, or a stored item: nothing a member can read
+    else:
+        raise bad(f"{where}: items of type {str(kind)[:40]!r} are not supported by groups "
+                  f"(message, function_call and function_call_output are)", "input")
+
+
+def _response_part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text") or ""}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise bad(f"{where}: an input_image needs an image_url (a URL or a data: URL; "
+                      "file ids are not supported)", "input")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise bad(f"{where}: parts of type {str(kind)[:40]!r} are not supported by groups "
+              "(input_text and input_image are)", "input")
+
+
+def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "\n".join(b.get("text", "") for b in system if isinstance(b, dict))
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    turns = body.get("messages")
+    if not isinstance(turns, list):
+        raise bad("'messages' must be a list of messages", "messages")
+    for n, turn in enumerate(turns):
+        _message_turn(turn, messages, f"messages[{n}]")
+    chat: dict[str, Any] = {
+        "model": body.get("model"), "messages": messages,
+        **_copy(body, {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "stream": "stream", "max_tokens": "max_tokens",
+                       "stop_sequences": "stop"})}
+    tools = [{"type": "function", "function": {
+        "name": t.get("name"), "description": t.get("description") or "",
+        "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}}
+        for t in body.get("tools") or []
+        # A provider's own tools (web search, bash, ...) carry a type: no member has them.
+        if isinstance(t, dict) and t.get("type") in (None, "custom")]
+    if tools:
+        chat["tools"] = tools
+        choice = body.get("tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind in ("auto", "none"):
+            chat["tool_choice"] = kind
+        elif kind == "any":
+            chat["tool_choice"] = "required"
+        elif kind == "tool" and isinstance(choice, dict):
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    return chat
+
+
+def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None:
+    if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
+        raise bad(f"{where} must be a message with role user or assistant", "messages")
+    role, content = turn["role"], turn.get("content")
+    if isinstance(content, str):
+        messages.append({"role": role, "content": content})
+        return
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of blocks", "messages")
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text") or ""})
+        elif kind == "image":
+            parts.append(_message_image(block.get("source"), where))
+        elif kind == "tool_use":
+            calls.append({"id": block.get("id"), "type": "function", "function": {
+                "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result":
+            # A tool's result is a turn of its own in chat, before the user's own words.
+            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                             "content": _result_text(block.get("content"))})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise bad(f"{where}: blocks of type {str(kind)[:40]!r} are not supported by groups "
+                      "(text, image, tool_use and tool_result are)", "messages")
+    if role == "assistant":
+        text = "".join(p.get("text", "") for p in parts)
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            message["tool_calls"] = calls
+        messages.append(message)
+    elif parts:
+        only_text = all(p["type"] == "text" for p in parts)
+        messages.append({"role": "user", "content": "".join(p["text"] for p in parts)
+                         if only_text else parts})
+
+
+def _message_image(source: Any, where: str) -> dict[str, Any]:
+    if isinstance(source, dict) and source.get("type") == "base64":
+        url = f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data', '')}"
+    elif isinstance(source, dict) and source.get("type") == "url":
+        url = source.get("url") or ""
+    else:
+        raise bad(f"{where}: an image block needs a base64 or url source", "messages")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _result_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+# -- a member that speaks another family -----------------------------------------------------
+
+def member_request(api: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat request a group gives a member, in the member's family. Fields that family
+    does not know (llama.cpp's grammar, ignore_eos...) stay out: a strict server refuses
+    them."""
+    if api == "responses":
+        return _chat_to_responses(chat)
+    if api == "messages":
+        return _chat_to_messages(chat)
+    return chat
+
+
+def _chat_parts(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [p for p in content or [] if isinstance(p, dict)]
+
+
+def _image_url(part: dict[str, Any]) -> str:
+    url = part.get("image_url")
+    return str(url.get("url") if isinstance(url, dict) else url or "")
+
+
+def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    items: list[dict[str, Any]] = []
+    for message in chat.get("messages") or []:
+        role = message.get("role")
+        if role == "tool":
+            items.append({"type": "function_call_output", "call_id": message.get("tool_call_id"),
+                          "output": _text_of(message.get("content"))})
+            continue
+        content = message.get("content")
+        if role == "user" and isinstance(content, list):
+            parts = [{"type": "input_image", "image_url": _image_url(p), "detail": "auto"}
+                     if p.get("type") == "image_url" else
+                     {"type": "input_text", "text": p.get("text", "")}
+                     for p in _chat_parts(content)]
+            items.append({"type": "message", "role": "user", "content": parts})
+        elif content:
+            items.append({"type": "message", "role": role, "content": _text_of(content)})
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            items.append({"type": "function_call", "call_id": call.get("id"),
+                          "name": function.get("name"),
+                          "arguments": function.get("arguments") or "{}"})
+    out: dict[str, Any] = {"model": chat.get("model"), "input": items, "stream": False,
+                           **_copy(chat, {"temperature": "temperature", "top_p": "top_p"})}
+    limit = chat.get("max_completion_tokens") or chat.get("max_tokens")
+    if limit:
+        out["max_output_tokens"] = limit
+    tools = [{"type": "function", **(t.get("function") or {})} for t in chat.get("tools") or []]
+    if tools:
+        out["tools"] = tools
+        choice = chat.get("tool_choice")
+        if isinstance(choice, str):
+            out["tool_choice"] = choice
+        elif isinstance(choice, dict):
+            out["tool_choice"] = {"type": "function",
+                                  "name": (choice.get("function") or {}).get("name")}
+    shape = chat.get("response_format")
+    if isinstance(shape, dict) and shape.get("type") == "json_schema":
+        out["text"] = {"format": {"type": "json_schema", **(shape.get("json_schema") or {})}}
+    elif isinstance(shape, dict) and shape.get("type") == "json_object":
+        out["text"] = {"format": {"type": "json_object"}}
+    return out
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        # Messages alternates user and assistant: consecutive turns of one role are one.
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        elif blocks:
+            turns.append({"role": role, "content": blocks})
+
+    for message in chat.get("messages") or []:
+        role, content = message.get("role"), message.get("content")
+        if role in ("system", "developer"):
+            system.append(_text_of(content))
+        elif role == "tool":
+            add("user", [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                          "content": _text_of(content)}])
+        elif role in ("user", "assistant"):
+            blocks = [_message_block(p) for p in _chat_parts(content)
+                      if p.get("type") != "text" or p.get("text")]
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                blocks.append({"type": "tool_use", "id": call.get("id"),
+                               "name": function.get("name"),
+                               "input": _arguments(function.get("arguments"))})
+            add(role, blocks)
+    out: dict[str, Any] = {
+        "model": chat.get("model"), "messages": turns, "stream": False,
+        "max_tokens": chat.get("max_completion_tokens") or chat.get("max_tokens")
+        or DEFAULT_MAX_TOKENS,
+        **_copy(chat, {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"})}
+    if system:
+        out["system"] = "\n\n".join(system)
+    stop = chat.get("stop")
+    if stop:
+        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    tools = [{"name": f.get("name"), "description": f.get("description") or "",
+              "input_schema": f.get("parameters") or {"type": "object", "properties": {}}}
+             for f in ((t.get("function") or {}) for t in chat.get("tools") or [])]
+    if tools:
+        out["tools"] = tools
+        choice = chat.get("tool_choice")
+        if choice in ("auto", "none"):
+            out["tool_choice"] = {"type": choice}
+        elif choice == "required":
+            out["tool_choice"] = {"type": "any"}
+        elif isinstance(choice, dict):
+            out["tool_choice"] = {"type": "tool",
+                                  "name": (choice.get("function") or {}).get("name")}
+    return out
+
+
+def _message_block(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") != "image_url":
+        return {"type": "text", "text": part.get("text", "")}
+    url = _image_url(part)
+    if url.startswith("data:") and ";base64," in url:
+        media_type, _, data = url[5:].partition(";base64,")
+        return {"type": "image", "source": {"type": "base64", "media_type": media_type,
+                                            "data": data}}
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def _arguments(raw: Any) -> Any:
+    try:
+        value = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return {"arguments": raw}  # a model's broken JSON still reaches the member, as text
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def member_answer(api: str, data: dict[str, Any]) -> Answer:
+    """A member's whole answer in its family, as chat terms; KeyError/TypeError/IndexError
+    when it is not an answer of that family."""
+    if api == "responses":
+        return _from_responses(data)
+    if api == "messages":
+        return _from_messages(data)
+    return _from_chat(data)
+
+
+def _from_chat(data: dict[str, Any]) -> Answer:
+    choice = data["choices"][0]
+    message = choice["message"]
+    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    finish = choice.get("finish_reason") or "stop"
+    return Answer(message.get("content") or "", calls,
+                  "tool_calls" if calls else finish if finish in ("stop", "length") else "stop",
+                  data.get("usage"))
+
+
+def _from_responses(data: dict[str, Any]) -> Answer:
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in data["output"]:
+        if item.get("type") == "message":
+            text.extend(p.get("text", "") for p in item.get("content") or []
+                        if p.get("type") == "output_text")
+        elif item.get("type") == "function_call":
+            calls.append({"id": item.get("call_id"), "type": "function", "function": {
+                "name": item.get("name"), "arguments": item.get("arguments") or "{}"}})
+    usage = data.get("usage") or {}
+    cut = data.get("status") == "incomplete"
+    return Answer("".join(text), calls,
+                  "tool_calls" if calls else "length" if cut else "stop",
+                  chat_usage(usage.get("input_tokens"), usage.get("output_tokens")))
+
+
+def _from_messages(data: dict[str, Any]) -> Answer:
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in data["content"]:
+        if block.get("type") == "text":
+            text.append(block.get("text", ""))
+        elif block.get("type") == "tool_use":
+            calls.append({"id": block.get("id"), "type": "function", "function": {
+                "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+    usage = data.get("usage") or {}
+    stop = data.get("stop_reason")
+    prompt = sum(int(usage.get(k) or 0) for k in (
+        "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+    return Answer("".join(text), calls,
+                  "tool_calls" if calls else "length" if stop == "max_tokens" else "stop",
+                  chat_usage(prompt, usage.get("output_tokens")))

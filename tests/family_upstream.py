@@ -1,0 +1,121 @@
+#!/usr/bin/env -S python3 -S
+"""A fake member for the family tests: a command child that answers chat completions,
+Responses and Messages each in its own shape, with a tool call when the request offers tools
+(the first tool, arguments {"city": "Paris"}), and writes every request it gets (path and
+body) as a JSON line to --log, so a test sees what corral sent it. With --break its chat
+stream stops after two chunks with the connection cut. Standard library only."""
+
+import argparse
+import json
+import socket
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_upstream import requests
+
+ARGS = {"city": "Paris"}
+USAGE = (7, 3)
+
+
+def tool_name(body: dict) -> str | None:
+    tools = body.get("tools") or []
+    if not tools:
+        return None
+    tool = tools[0]
+    return (tool.get("function") or tool).get("name")
+
+
+def chat(body: dict) -> dict:
+    name = tool_name(body)
+    message = {"role": "assistant", "content": "fake answer"}
+    if name:
+        message = {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_fake1", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(ARGS)}}]}
+    return {"id": "fake", "object": "chat.completion", "model": body.get("model"),
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "tool_calls" if name else "stop"}],
+            "usage": {"prompt_tokens": USAGE[0], "completion_tokens": USAGE[1],
+                      "total_tokens": sum(USAGE)}}
+
+
+def responses(body: dict) -> dict:
+    name = tool_name(body)
+    item = {"type": "function_call", "id": "fc_fake1", "call_id": "call_fake1", "name": name,
+            "arguments": json.dumps(ARGS), "status": "completed"} if name else {
+        "type": "message", "id": "msg_fake", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": "fake answer", "annotations": []}]}
+    return {"id": "resp_fake", "object": "response", "status": "completed",
+            "model": body.get("model"), "output": [item],
+            "usage": {"input_tokens": USAGE[0], "output_tokens": USAGE[1],
+                      "total_tokens": sum(USAGE)}}
+
+
+def messages(body: dict) -> dict:
+    name = tool_name(body)
+    block = {"type": "tool_use", "id": "toolu_fake1", "name": name, "input": ARGS} if name \
+        else {"type": "text", "text": "fake answer"}
+    return {"id": "msg_fake", "type": "message", "role": "assistant",
+            "model": body.get("model"), "content": [block],
+            "stop_reason": "tool_use" if name else "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": USAGE[0], "output_tokens": USAGE[1]}}
+
+
+ANSWERS = {"/v1/chat/completions": chat, "/v1/responses": responses, "/v1/messages": messages}
+
+
+def stream(conn: socket.socket, body: dict, broken: bool) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+
+    def send(event: dict) -> None:
+        data = b"data: " + json.dumps(event).encode() + b"\n\n"
+        conn.sendall(b"%x\r\n%s\r\n" % (len(data), data))
+
+    for text in ("fake ", "stream "):
+        send({"id": "fake", "object": "chat.completion.chunk", "model": body.get("model"),
+              "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+    if broken:
+        conn.shutdown(socket.SHUT_RDWR)  # cut mid-answer, as a killed server would
+        return
+    send({"id": "fake", "object": "chat.completion.chunk", "model": body.get("model"),
+          "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": USAGE[0], "completion_tokens": 2,
+                    "total_tokens": USAGE[0] + 2}})
+    conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+def serve(conn: socket.socket, log: Path, broken: bool) -> None:
+    with conn:
+        for method, path, raw in requests(conn):
+            if method == "POST":
+                body = json.loads(raw or b"{}")
+                with log.open("a") as out:
+                    out.write(json.dumps({"path": path, "body": body}) + "\n")
+                if body.get("stream"):
+                    stream(conn, body, broken)
+                    return
+                answer = ANSWERS.get(path, chat)(body)
+            else:
+                answer = {"status": "ok"}
+            data = json.dumps(answer).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--break", dest="broken", action="store_true")
+    args = parser.parse_args()
+    listener = socket.create_server(("127.0.0.1", args.port))
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn, args.log, args.broken), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Exposed groups as models on /v1/responses and /v1/messages, read with the official SDKs
+(their stream helpers accumulate the events, so a wrong shape fails here): every group type
+answers in the client's family under the group's name, with usage and the right stop reason;
+tool calls come back as the family's own; members that speak only Responses or only Messages
+(`api:`) are asked in their family; a stream broken mid-way ends in the family's error.
+
+Tiny random models answer noise: the tests read the protocol, never the wording."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from conftest import Corral, llama_server_binary, tiny_config
+
+FAKE = Path(__file__).parent / "family_upstream.py"
+MAX = 8
+TOOL = {"name": "weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}
+# The groups of tiny llama-server members, one of each type.
+TYPES = ["par", "fan", "vote", "council", "pipe"]
+
+pytestmark = pytest.mark.expect_log(
+    "proxy.group_failed", allow=[r"breaker broke off its stream", r"synthesizer breaker"])
+
+
+def fake(log: Path, *extra: str, api: str | None = None) -> dict[str, Any]:
+    model: dict[str, Any] = {"backend": "command", "health": "none", "memory_mb": 10,
+                             "capabilities": ["chat", "vision"],
+                             "command": [sys.executable, "-S", str(FAKE), "--port", "${PORT}",
+                                         "--log", str(log), *extra]}
+    if api:
+        model["api"] = api
+    return model
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("family-logs")
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module, tiny_models, logs: Path) -> Corral:
+    config = tiny_config(tiny_models, ["tiny-a", "tiny-b", "tiny-a2"])
+    config["models"].update({
+        "tools-chat": fake(logs / "chat.jsonl"),
+        "tools-resp": fake(logs / "resp.jsonl", api="responses"),
+        "tools-msg": fake(logs / "msg.jsonl", api="messages"),
+        "breaker": fake(logs / "breaker.jsonl", "--break"),
+        # llama-server itself, asked only on Anthropic's Messages path.
+        "llama-msg": {"backend": "command", "api": "messages",
+                      "command": [llama_server_binary(), "--model", str(tiny_models["tiny-b"]),
+                                  "--host", "127.0.0.1", "--port", "${PORT}",
+                                  "--ctx-size", "2048", "--threads", "1"]},
+    })
+    exposed = {"expose_as_model": True}
+    config["groups"] = {
+        "par": {"type": "parallel", "models": ["tiny-a", "tiny-b"], **exposed},
+        "fan": {"type": "fan_out", "models": ["tiny-a", "tiny-b"], "selector": "longest",
+                **exposed},
+        "vote": {"type": "fan_out", "models": ["tiny-b", "tiny-a", "tiny-a2"],
+                 "selector": "majority", "compare": "exact", "quorum": 2, **exposed},
+        "council": {"type": "consensus", "models": ["tiny-a", "tiny-b"],
+                    "synthesizer": "tiny-a", **exposed},
+        "pipe": {"type": "chain", "models": ["tiny-a", "tiny-b"], **exposed},
+        "tooly": {"type": "fan_out", "models": ["tools-chat"], **exposed},
+        "tool-chain": {"type": "chain", "models": ["tiny-a", "tools-msg"], **exposed},
+        "foreign": {"type": "parallel", "models": ["tools-resp", "tools-msg"], **exposed},
+        "real-msg": {"type": "fan_out", "models": ["llama-msg", "tiny-a"],
+                     "selector": "longest", **exposed},
+        "broken": {"type": "consensus", "models": ["tiny-a"], "synthesizer": "breaker",
+                   **exposed},
+    }
+    return start_corral_module(config)
+
+
+def oa(corral: Corral) -> openai.OpenAI:
+    return corral.client(timeout=60)
+
+
+def an(corral: Corral) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0,
+                               timeout=60)
+
+
+def sent(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def expected_end(details: dict[str, Any]) -> bool:
+    """Whether the group's answer was cut at MAX tokens: the answering member's was (a
+    parallel group's joined answers never are)."""
+    if details["type"] == "parallel":
+        return False
+    if details["type"] == "consensus":
+        return details["usage"]["completion_tokens"] - sum(
+            m["usage"]["completion_tokens"] for m in details["responses"]) >= MAX
+    if details["type"] == "chain":
+        source = details["responses"][-1]
+    else:
+        source = details["responses"][details["selected"]["index"]]
+    return source["usage"]["completion_tokens"] >= MAX
+
+
+@pytest.mark.parametrize("group", TYPES)
+def test_responses_create_whole_and_streamed(corral: Corral, group: str) -> None:
+    client = oa(corral)
+    whole = client.responses.create(model=group, input="hi", instructions="Be brief.",
+                                    max_output_tokens=MAX, temperature=0)
+    details = whole.model_extra["corral_group"]
+    assert whole.model == group and details["group"] == group and details["complete"]
+    assert whole.output_text == details.get("final", whole.output_text)
+    assert whole.usage.input_tokens == details["usage"]["prompt_tokens"] > 0
+    assert whole.usage.output_tokens == details["usage"]["completion_tokens"] > 0
+    assert whole.status == ("incomplete" if expected_end(details) else "completed")
+
+    with client.responses.stream(model=group, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "hi"}]}], max_output_tokens=MAX,
+            temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    details = final.model_extra["corral_group"]
+    assert final.model == group and final.usage.output_tokens > 0
+    assert final.output_text == details.get("final", final.output_text)
+    assert final.status == ("incomplete" if expected_end(details) else "completed")
+
+
+@pytest.mark.parametrize("group", TYPES)
+def test_messages_create_and_stream(corral: Corral, group: str) -> None:
+    client = an(corral)
+    whole = client.messages.create(model=group, max_tokens=MAX, system="Be brief.",
+                                   extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": "hi"}])
+    details = whole.model_extra["corral_group"]
+    assert whole.model == group and details["complete"] and whole.content[0].type == "text"
+    assert whole.usage.input_tokens == details["usage"]["prompt_tokens"] > 0
+    assert whole.usage.output_tokens == details["usage"]["completion_tokens"] > 0
+    assert whole.stop_reason == ("max_tokens" if expected_end(details) else "end_turn")
+
+    with client.messages.stream(model=group, max_tokens=MAX, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    details = final.model_extra.get("corral_group") or {}
+    assert final.model == group and final.usage.output_tokens > 0
+    assert final.usage.input_tokens > 0
+    assert "".join(texts) == final.content[0].text
+    assert final.stop_reason in ("max_tokens", "end_turn")
+    if group == "council":
+        assert len(texts) > 1  # the synthesizer's own tokens, streamed as written
+
+
+def test_a_tool_call_comes_back_as_each_familys_own(corral: Corral) -> None:
+    tools_r = [{"type": "function", **TOOL}]
+    whole = oa(corral).responses.create(model="tooly", input="weather in Paris?",
+                                        tools=tools_r)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather",
+                                                                  {"city": "Paris"})]
+    with oa(corral).responses.stream(model="tooly", input="weather?", tools=tools_r) as s:
+        final = s.get_final_response()
+    assert [i.name for i in final.output if i.type == "function_call"] == ["weather"]
+
+    tools_m = [{"name": TOOL["name"], "description": TOOL["description"],
+                "input_schema": TOOL["parameters"]}]
+    message = an(corral).messages.create(model="tooly", max_tokens=MAX, tools=tools_m,
+                                         messages=[{"role": "user", "content": "weather?"}])
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("weather", {"city": "Paris"})]
+    with an(corral).messages.stream(model="tooly", max_tokens=MAX, tools=tools_m,
+                                    messages=[{"role": "user", "content": "w?"}]) as stream:
+        final_m = stream.get_final_message()
+    assert final_m.stop_reason == "tool_use"
+    assert [b.input for b in final_m.content if b.type == "tool_use"] == [{"city": "Paris"}]
+
+    chat = oa(corral).chat.completions.create(
+        model="tooly", messages=[{"role": "user", "content": "w?"}],
+        tools=[{"type": "function", "function": TOOL}])
+    assert chat.choices[0].finish_reason == "tool_calls"
+    assert chat.choices[0].message.tool_calls[0].function.name == "weather"
+
+
+def test_a_conversation_with_tool_results_reaches_a_messages_member(corral: Corral,
+                                                                     logs: Path) -> None:
+    """A chain's last step speaks only Messages: the client's Responses conversation (a call
+    and its output) reaches it as tool_use and tool_result blocks, and its tool_use comes
+    back as a function_call."""
+    whole = oa(corral).responses.create(model="tool-chain", max_output_tokens=MAX, input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "user", "content": "and tomorrow?"}], tools=[{"type": "function", **TOOL}])
+    assert [i.type for i in whole.output][-1] == "function_call"
+    body = sent(logs / "msg.jsonl")[-1]
+    assert body["path"] == "/v1/messages"
+    turns = body["body"]["messages"]
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"]
+    assert turns[1]["content"] == [{"type": "tool_use", "id": "call_1", "name": "weather",
+                                    "input": {"city": "Paris"}}]
+    assert turns[2]["content"][0] == {"type": "tool_result", "tool_use_id": "call_1",
+                                      "content": "sunny"}
+    assert body["body"]["tools"][0]["input_schema"] == TOOL["parameters"]
+    assert body["body"]["max_tokens"] == MAX
+
+
+def test_members_that_speak_responses_or_messages_are_asked_in_it(corral: Corral,
+                                                                  logs: Path) -> None:
+    reply = oa(corral).chat.completions.create(
+        model="foreign", max_tokens=MAX, temperature=0.5,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": [
+                      {"type": "text", "text": "hi"},
+                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    details = reply.model_extra["corral_group"]
+    assert [m["content"] for m in details["responses"]] == ["fake answer", "fake answer"]
+    assert reply.usage.prompt_tokens == 14 and reply.usage.completion_tokens == 6
+    resp, msg = sent(logs / "resp.jsonl")[-1], sent(logs / "msg.jsonl")[-1]
+    assert resp["path"] == "/v1/responses" and msg["path"] == "/v1/messages"
+    assert resp["body"]["max_output_tokens"] == MAX and resp["body"]["temperature"] == 0.5
+    assert resp["body"]["input"] == [
+        {"type": "message", "role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "hi"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA",
+             "detail": "auto"}]}]
+    assert msg["body"]["system"] == "Be brief." and msg["body"]["max_tokens"] == MAX
+    assert msg["body"]["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "hi"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AAAA"}}]}]
+
+
+def test_llama_server_asked_on_messages_as_a_member(corral: Corral) -> None:
+    """llama-server as a command child with `api: messages`: the member is ok only if its
+    answer was a Messages one (a chat completion has no `content` blocks to read), and its
+    usage is read in that family's fields."""
+    message = an(corral).messages.create(model="real-msg", max_tokens=MAX,
+                                         messages=[{"role": "user", "content": "hi"}])
+    details = message.model_extra["corral_group"]
+    first = details["responses"][0]
+    assert first["model"] == "llama-msg" and first["status"] == "ok", first
+    assert first["usage"]["prompt_tokens"] > 0 and first["usage"]["completion_tokens"] == MAX
+    assert message.model == "real-msg" and message.usage.output_tokens == 2 * MAX
+
+
+def test_a_broken_group_stream_ends_in_the_familys_error(corral: Corral) -> None:
+    with pytest.raises(anthropic.APIStatusError) as raised, an(corral).messages.stream(
+            model="broken", max_tokens=MAX,
+            messages=[{"role": "user", "content": "hi"}]) as stream:
+        for _ in stream:
+            pass
+    assert "breaker" in str(raised.value)
+
+    kinds: list[str] = []
+    with pytest.raises(openai.APIError) as failed, \
+            oa(corral).responses.stream(model="broken", input="hi") as rstream:
+        for event in rstream:
+            kinds.append(event.type)
+    assert "response.failed" in kinds and "breaker" in str(failed.value)
+
+    with pytest.raises(openai.APIError):
+        for _ in oa(corral).chat.completions.create(
+                model="broken", stream=True, messages=[{"role": "user", "content": "hi"}]):
+            pass
+
+
+def test_group_requests_the_translation_refuses(corral: Corral) -> None:
+    unknown_item = corral.http.post("/v1/responses", json={
+        "model": "par", "input": [{"type": "computer_call_output", "call_id": "x"}]})
+    assert unknown_item.status_code == 400 and unknown_item.json()["error"]["param"] == "input"
+    stored = corral.http.post("/v1/responses", json={
+        "model": "par", "input": "hi", "previous_response_id": "resp_1"})
+    assert stored.status_code == 400
+    no_messages = corral.http.post("/v1/messages", json={"model": "par", "max_tokens": 4})
+    assert no_messages.status_code == 400
+    other_path = corral.http.post("/v1/completions", json={"model": "par", "prompt": "x"})
+    assert other_path.json()["error"]["code"] == "group_endpoint"
