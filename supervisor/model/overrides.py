@@ -87,8 +87,8 @@ def check_overrides(spec: ModelSpec, given: Mapping[str, Any]) -> Overrides:
     for name in ("cache_type_k", "cache_type_v"):
         if name in given:
             values[name] = _kv_type(spec, given[name], name)
-    kv = (values.get("cache_type_k", spec.cache_type_k) or "f16",
-          values.get("cache_type_v", spec.cache_type_v) or "f16")
+    kv = (str(values.get("cache_type_k", spec.cache_type_k) or "f16"),
+          str(values.get("cache_type_v", spec.cache_type_v) or "f16"))
     if any(f in values for f in ("cache_type_k", "cache_type_v")) and not _runs_kv(spec, kv):
         param = "cache_type_k" if "cache_type_k" in values else "cache_type_v"
         raise BadOverride(f"{spec.name} cannot run a {kv[0]}/{kv[1]} KV cache: a quantized "
