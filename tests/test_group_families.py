@@ -147,8 +147,9 @@ def test_messages_create_and_stream(corral: Corral, group: str) -> None:
     assert whole.usage.output_tokens == details["usage"]["completion_tokens"] > 0
     assert whole.stop_reason == ("max_tokens" if expected_end(details) else "end_turn")
 
-    with client.messages.stream(model=group, max_tokens=MAX, extra_body={"temperature": 0}, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]) as stream:
+    with client.messages.stream(
+            model=group, max_tokens=MAX, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) as stream:
         texts = list(stream.text_stream)
         final = stream.get_final_message()
     details = final.model_extra.get("corral_group") or {}
