@@ -102,7 +102,7 @@ def corral(start_corral_module: CorralFactory, folder: Path, tiny_models: dict[s
                        "template": "Question: {input}\nDraft: {previous}"},
         "blind-first": {"models": ["blind", "eye"], "type": "chain", "fallback": "partial"},
         "look-partial": {"models": ["eye", "blind"], "fallback": "partial"},
-        "look-strict": {"models": ["eye", "blind"]},
+        "look-strict": {"models": ["eye", "blind"], "expose_as_model": True},
         "look-replace": {"models": ["eye", "blind"], "fallback": "replace_with",
                          "replace_with": {"blind": "eye2"}},
     }
@@ -278,6 +278,16 @@ def test_a_member_without_vision_is_skipped_refused_or_replaced(corral: Corral, 
     assert "'blind'" in refused["error"]["message"]
     assert "capabilities: [chat, vision]" in refused["error"]["message"]
     assert len(received(folder, "eye")) == eye_before + 1  # only look-partial's call
+
+    # The same refusal for the group used as a model, streamed, and for a chain named ad hoc
+    # (strict) whose first step cannot see.
+    resp = corral.http.post("/v1/chat/completions", json={
+        "model": "look-strict", "messages": PICTURE, "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "vision_unsupported"
+    resp = corral.http.post("/v1/chain/execute", json={
+        "models": ["blind", "eye"], "messages": PICTURE})
+    assert resp.status_code == 400 and "'blind'" in resp.json()["error"]["message"]
+    assert len(received(folder, "eye")) == eye_before + 1
 
     status, result = run(corral, "look-replace", PICTURE)
     assert status == 200, result
