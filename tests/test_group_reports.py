@@ -126,12 +126,25 @@ def group_runs(corral: Corral) -> dict[tuple[str, str], float]:
             if s.name == "corral_group_requests_total"}
 
 
+def last_group_event(corral: Corral) -> dict[str, Any]:
+    """The most recent `group` event, as /admin/events replays it."""
+    with corral.http.stream("GET", "/admin/events", params={"kinds": "group", "last": 1},
+                            timeout=10) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                event: dict[str, Any] = json.loads(line[6:])
+                return event
+    raise AssertionError("no group event")
+
+
 # -- complete, partial and failed agree everywhere ---------------------------------------------
 
 def test_a_first_ok_run_is_complete_in_the_answer_the_event_and_the_metrics(corral: Corral):
     status, result = run(corral, "quick")
     assert status == 200 and result["complete"] is True
     assert [m["status"] for m in result["responses"]] == ["ok", "cancelled"]
+    event = last_group_event(corral)
+    assert (event["group"], event["result"]) == ("quick", "ok"), event
     runs = group_runs(corral)
     assert runs.get(("quick", "ok")) == 1 and ("quick", "partial") not in runs, runs
 
@@ -271,6 +284,8 @@ def test_a_member_without_vision_is_skipped_refused_or_replaced(corral: Corral, 
     assert (eye["status"], eye["images"]) == ("ok", 1)
     assert blind["status"] == "skipped" and "cannot see images" in blind["error"]
     assert result["complete"] is False
+    assert last_group_event(corral)["result"] == "partial"
+    assert group_runs(corral).get(("look-partial", "partial")) == 1
 
     status, refused = run(corral, "look-strict", PICTURE)
     assert status == 400, refused
