@@ -23,6 +23,7 @@ from conftest import Corral, CorralFactory, gone, llama_server_binary, wait_unti
 
 ASK = "What is the capital of France?"
 SERVED = "tiny-served"  # what the command child calls its model; corral calls it tiny-cmd
+LONG = {"ignore_eos": True}  # a tiny model writes its whole max_tokens (fast)
 # A child killed mid-stream: its health check may find it gone before its exit is seen.
 pytestmark = pytest.mark.expect_log("instance.health_failed")
 
@@ -161,9 +162,10 @@ def test_a_served_name_never_reaches_the_client_in_either_family(corral: Corral)
     hi = [{"role": "user", "content": "hi"}]
     for stream in (False, True):
         responses = raw_answer(corral, "/v1/responses", {
-            "model": "tiny-cmd", "input": "hi", "max_output_tokens": 4, "stream": stream})
+            "model": "tiny-cmd", "input": "hi", "max_output_tokens": 4, "stream": stream,
+            **LONG})
         messages = raw_answer(corral, "/v1/messages", {
-            "model": "tiny-cmd", "messages": hi, "max_tokens": 4, "stream": stream})
+            "model": "tiny-cmd", "messages": hi, "max_tokens": 4, "stream": stream, **LONG})
         for raw in (responses, messages):
             assert SERVED.encode() not in raw, raw.decode()[-600:]
             assert b'"model":"tiny-cmd"' in raw.replace(b" ", b""), raw.decode()[-600:]
@@ -195,8 +197,6 @@ def ready_pid(corral: Corral) -> int:
     assert corral.chat("tiny", max_tokens=1).status_code == 200
     return int(corral.model("tiny")["pid"])
 
-
-LONG = {"ignore_eos": True}  # tiny-a writes its whole max_tokens, fast
 
 
 def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
