@@ -238,8 +238,15 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
         if not keys:
             return True
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = token.strip().encode()
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in keys)
+        if scheme.lower() == "bearer":
+            given = token.strip().encode()
+        else:
+            # Anthropic's SDKs and Claude Code (ANTHROPIC_API_KEY) send the key as x-api-key.
+            # Like Authorization, a header no web page can send without asking first.
+            given = request.headers.get("x-api-key", "").strip().encode()
+            if not given:
+                return False
+        return any(hmac.compare_digest(given, k) for k in keys)
 
     def refused(request: web.Request) -> web.Response | None:
         path = request.path
@@ -253,7 +260,8 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
         else:
             keys = worker if path.startswith("/peer") else []
         if not allowed(request, keys):
-            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+            return error_response(401, "missing or invalid API key (Authorization: Bearer ... "
+                                       "or x-api-key: ...)",
                                   code="invalid_api_key")
         request[ADMIN] = keys is admin_only or allowed(request, admin_only)
         return None

@@ -95,7 +95,8 @@ def _holds_image(value: object, depth: int) -> bool:
     for item in value:
         if not isinstance(item, dict):
             continue
-        if item.get("type") in IMAGE_PARTS:
+        kind = item.get("type")
+        if isinstance(kind, str) and kind in IMAGE_PARTS:  # a client may send any JSON there
             return True
         if any(_holds_image(item.get(key), depth + 1) for key in _NESTED):
             return True

@@ -39,7 +39,7 @@ GUARDED_PREFIXES = ("/v1/", "/admin", "/models", "/peer", "/metrics")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
                             "ip6-loopback"})
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
-ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
+ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id, X-Api-Key, Anthropic-Version"
 EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
 
 

@@ -297,6 +297,29 @@ def test_no_state_changes_without_the_right_key_and_origin(
                    != "running", timeout=10)
 
 
+def test_anthropic_clients_send_their_key_as_x_api_key(corral: Corral) -> None:
+    """Anthropic's SDK (and Claude Code with ANTHROPIC_API_KEY) authenticate with x-api-key,
+    not Authorization: the key is the same key, with the same reach."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=corral.url, api_key=USER, max_retries=0)
+    answer = client.messages.create(model="tiny-a", max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert answer.model == "tiny-a" and answer.type == "message"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=corral.url, api_key="wrong", max_retries=0) \
+            .messages.create(model="tiny-a", max_tokens=2,
+                             messages=[{"role": "user", "content": "hi"}])
+    # A user key says x-api-key as it says Bearer: /v1, never /admin.
+    assert httpx.get(corral.url + "/admin/models", headers={"x-api-key": USER}) \
+        .status_code == 401
+    assert httpx.get(corral.url + "/admin/models", headers={"x-api-key": ADMIN}) \
+        .status_code == 200
+    # A scheme other than Bearer is no key, with or without an x-api-key beside it.
+    assert httpx.get(corral.url + "/v1/models", headers={"Authorization": f"Basic {USER}"}) \
+        .status_code == 401
+
+
 def test_any_origin_without_keys_is_refused_unless_the_operator_says_so(tmp_path: Path) -> None:
     """allowed_origins: ["*"] and no keys: every web page could drive corral. corral check
     (and serve) refuse it, as they refuse an open /admin on a network address."""
