@@ -332,7 +332,14 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
         if family is None:
             raise ApiError(400, f"{name!r} is a group; groups answer /v1/chat/completions, "
                            "/v1/responses and /v1/messages", "group_endpoint", param="model")
-        return await group_as_model(request, request.app[GROUPS], target.group, body, family)
+        try:
+            return await group_as_model(request, request.app[GROUPS], target.group, body,
+                                        family)
+        except ApiError as exc:
+            # The group ran the request as chat: a Responses client sent `input`.
+            if family == "responses" and (exc.param or "").startswith("messages"):
+                exc.param = "input"
+            raise
     canonical = record.model = target.name
     spec = daemon.spec(canonical)
     # Only what its backend serves (proxy/capabilities.py): a 404 before anything starts.
