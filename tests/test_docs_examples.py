@@ -36,6 +36,8 @@ RUNNABLE = {"yaml", "sh", "python"}
 ERROR_OBJECT = re.compile(r'"error":\s*\{')
 # The address examples write; the test's daemon listens elsewhere.
 ADDRESSES = ("127.0.0.1:8080", "localhost:8080")
+# Codex CLI and Claude Code as `make agents` installs them (the docs' coding-agent examples).
+AGENTS = REPO / "build" / "agents" / "node_modules" / ".bin"
 
 
 @dataclass
@@ -143,7 +145,7 @@ def docs_corral(docs_factory: CorralFactory, smol_model: Path,
 
 
 def environment(block: Block, corral: Corral | None = None) -> dict[str, str]:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{BIN}:{AGENTS}:{os.environ.get('PATH', '')}"}
     if corral is not None:
         # What a reader's `corral ps` finds by default (127.0.0.1:8080) is this daemon here.
         env["CORRAL_URL"] = corral.url
@@ -186,17 +188,18 @@ def check_output(block: Block, done: subprocess.CompletedProcess[str]) -> None:
         assert not ERROR_OBJECT.search(done.stdout), f"{block.id}: an error answer:\n{printed}"
 
 
+# Examples read no stdin: it is closed (`codex exec` takes a piped stdin as more prompt).
 def run_shell(block: Block, corral: Corral, cwd: Path) -> None:
     done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", aimed_at(block.text, corral)],
                           cwd=cwd, env=environment(block, corral), capture_output=True, text=True,
-                          timeout=240)
+                          stdin=subprocess.DEVNULL, timeout=240)
     check_output(block, done)
 
 
 def run_python(block: Block, corral: Corral, cwd: Path) -> None:
     done = subprocess.run([sys.executable, "-c", aimed_at(block.text, corral)], cwd=cwd,
                           env=environment(block, corral), capture_output=True, text=True,
-                          timeout=240)
+                          stdin=subprocess.DEVNULL, timeout=240)
     check_output(block, done)
 
 
