@@ -65,6 +65,8 @@ enabled = false
 enabled = false
 """
 INSTRUCTIONS = "You are a coding assistant. Answer briefly.\n"
+# A model, then an exposed group of each kind that answers with one text.
+MODELS = ["smol", "pair", "relay", "council"]
 
 
 def agent(name: str) -> Path:
@@ -86,6 +88,11 @@ def corral(start_corral_module: Any, smol_model: Path) -> Corral:
             # Both answer at once; the longer answer is the group's.
             "pair": {"type": "fan_out", "models": ["smol", "smol-b"], "selector": "longest",
                      "expose_as_model": True},
+            # The second rewrites the first's answer.
+            "relay": {"type": "chain", "models": ["smol", "smol-b"], "expose_as_model": True},
+            # Both answer; smol writes the agent's answer from theirs.
+            "council": {"type": "consensus", "models": ["smol", "smol-b"],
+                        "synthesizer": "smol", "expose_as_model": True},
         },
     }
     return start_corral_module(config, api_key=KEY)
@@ -155,7 +162,7 @@ def codex_usage(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["smol", "pair"])
+@pytest.mark.parametrize("model", MODELS)
 def test_codex_exec_completes_a_turn(corral: Corral, home: Path, model: str) -> None:
     since = time.time()
     usage = codex_usage(codex(corral, model, home))
@@ -167,8 +174,9 @@ def test_codex_exec_completes_a_turn(corral: Corral, home: Path, model: str) -> 
 
 # -- Claude Code --------------------------------------------------------------------------------
 
-def claude(corral: Corral, model: str, home: Path) -> dict[str, Any]:
-    """One `claude -p` turn on `model`; its JSON result."""
+def claude(corral: Corral, model: str, home: Path, tools: str = "") -> dict[str, Any]:
+    """One `claude -p` turn on `model` with its built-in `tools` (none by default); its JSON
+    result."""
     env = {
         "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         # Claude Code appends /v1/messages; corral's key goes as `Authorization: Bearer`.
@@ -180,18 +188,16 @@ def claude(corral: Corral, model: str, home: Path) -> dict[str, Any]:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200",
     }
     done = run_agent(
-        [str(agent("claude")), "-p", PROMPT, "--bare", "--model", model, "--tools", "",
+        [str(agent("claude")), "-p", PROMPT, "--bare", "--model", model, "--tools", tools,
          "--system-prompt", INSTRUCTIONS.strip(), "--output-format", "json",
          "--no-session-persistence"], env, home)
     result: dict[str, Any] = json.loads(done.stdout)
     return result
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["smol", "pair"])
-def test_claude_print_completes_a_turn(corral: Corral, home: Path, model: str) -> None:
+def claude_turn_checked(corral: Corral, model: str, home: Path, tools: str = "") -> None:
     since = time.time()
-    result = claude(corral, model, home)
+    result = claude(corral, model, home, tools)
     assert result["type"] == "result" and result["subtype"] == "success", result
     assert result["is_error"] is False and result["stop_reason"] == "end_turn", result
     assert isinstance(result["result"], str) and result["result"].strip(), result
@@ -200,3 +206,18 @@ def test_claude_print_completes_a_turn(corral: Corral, home: Path, model: str) -
     prompt = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
     assert prompt > 0 and usage["output_tokens"] > 0, usage
     assert sum(r["tokens_in"] for r in entries) >= prompt, (entries, usage)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
+def test_claude_print_completes_a_turn(corral: Corral, home: Path, model: str) -> None:
+    claude_turn_checked(corral, model, home)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["smol", "pair"])
+def test_claude_print_with_its_tools(corral: Corral, home: Path, model: str) -> None:
+    """Claude Code's own tools go in Anthropic's shape (`name`, `description`,
+    `input_schema`, no `type`: a custom tool's `type` is optional there), which corral must
+    not refuse as a malformed OpenAI tool. Whether the model calls one is its business."""
+    claude_turn_checked(corral, model, home, tools="Read,Grep")
