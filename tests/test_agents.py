@@ -174,13 +174,15 @@ def test_codex_exec_completes_a_turn(corral: Corral, home: Path, model: str) -> 
 
 # -- Claude Code --------------------------------------------------------------------------------
 
-def claude(corral: Corral, model: str, home: Path, tools: str = "") -> dict[str, Any]:
-    """One `claude -p` turn on `model` with its built-in `tools` (none by default); its JSON
-    result."""
+def claude(corral: Corral, model: str, home: Path, tools: str = "",
+           key_variable: str = "ANTHROPIC_AUTH_TOKEN") -> dict[str, Any]:
+    """One `claude -p` turn on `model` with its built-in `tools` (none by default) and
+    corral's key in `key_variable`; its JSON result."""
     env = {
         "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        # Claude Code appends /v1/messages; corral's key goes as `Authorization: Bearer`.
-        "ANTHROPIC_BASE_URL": corral.url, "ANTHROPIC_AUTH_TOKEN": KEY,
+        # Claude Code appends /v1/messages. ANTHROPIC_AUTH_TOKEN goes as `Authorization:
+        # Bearer`, ANTHROPIC_API_KEY as `x-api-key`.
+        "ANTHROPIC_BASE_URL": corral.url, key_variable: KEY,
         # Every model it might ask for is corral's: the main one and the small, fast one.
         "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
@@ -195,9 +197,10 @@ def claude(corral: Corral, model: str, home: Path, tools: str = "") -> dict[str,
     return result
 
 
-def claude_turn_checked(corral: Corral, model: str, home: Path, tools: str = "") -> None:
+def claude_turn_checked(corral: Corral, model: str, home: Path, tools: str = "",
+                        key_variable: str = "ANTHROPIC_AUTH_TOKEN") -> None:
     since = time.time()
-    result = claude(corral, model, home, tools)
+    result = claude(corral, model, home, tools, key_variable)
     assert result["type"] == "result" and result["subtype"] == "success", result
     assert result["is_error"] is False and result["stop_reason"] == "end_turn", result
     assert isinstance(result["result"], str) and result["result"].strip(), result
@@ -221,3 +224,9 @@ def test_claude_print_with_its_tools(corral: Corral, home: Path, model: str) -> 
     `input_schema`, no `type`: a custom tool's `type` is optional there), which corral must
     not refuse as a malformed OpenAI tool. Whether the model calls one is its business."""
     claude_turn_checked(corral, model, home, tools="Read,Grep")
+
+
+@pytest.mark.timeout(300)
+def test_claude_print_with_an_anthropic_api_key(corral: Corral, home: Path) -> None:
+    """ANTHROPIC_API_KEY, the variable most Claude Code users set, goes as `x-api-key`."""
+    claude_turn_checked(corral, "smol", home, key_variable="ANTHROPIC_API_KEY")
