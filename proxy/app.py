@@ -345,7 +345,7 @@ async def relay_openai(request: web.Request) -> web.StreamResponse:
     # Only what its backend serves (proxy/capabilities.py): a 404 before anything starts.
     capabilities.refuse_path(spec, request.path)
     # What the child would choke on (some of it with a 500) is refused here, clearly.
-    check_fields(body)
+    check_fields(body, request.path)
     if request.path == "/v1/chat/completions":
         check_messages(body, required=False)
     # Refused here, before anything starts: the child would answer 501 only after loading.

@@ -75,9 +75,9 @@ def _too_deep(value: Any) -> bool:
     return False
 
 
-def check_fields(body: dict[str, Any]) -> None:
-    """Numbers where numbers are expected, a boolean `stream`, and `tools` as OpenAI shapes
-    them (llama-server answers a malformed `tools` with a 500)."""
+def check_fields(body: dict[str, Any], path: str = "/v1/chat/completions") -> None:
+    """Numbers where numbers are expected, a boolean `stream`, and `tools` as the path's API
+    shapes them (llama-server answers a malformed `tools` with a 500)."""
     for field in NUMBER_FIELDS:
         value = body.get(field)
         if value is None:
@@ -92,9 +92,13 @@ def check_fields(body: dict[str, Any]) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("'tools' must be a list of tools", "tools")
+        # OpenAI's tools each say their `type`; Anthropic's each have a `name`, and a custom
+        # tool's `type` is optional (Claude Code sends none).
+        key = "name" if path == "/v1/messages" else "type"
         for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-                raise bad(f"tools[{i}] must be an object with a string 'type'", f"tools[{i}]")
+            if not isinstance(tool, dict) or not isinstance(tool.get(key), str) or (
+                    not isinstance(tool.get("type", ""), str)):
+                raise bad(f"tools[{i}] must be an object with a string '{key}'", f"tools[{i}]")
 
 
 def check_messages(body: dict[str, Any], *, required: bool) -> list[dict[str, Any]]:
