@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, Corral
+from conftest import REPO, Corral, wait_until
 
 AGENTS = REPO / "build" / "agents" / "node_modules" / ".bin"
 KEY = "agent-key"
@@ -230,3 +231,41 @@ def test_claude_print_with_its_tools(corral: Corral, home: Path, model: str) -> 
 def test_claude_print_with_an_anthropic_api_key(corral: Corral, home: Path) -> None:
     """ANTHROPIC_API_KEY, the variable most Claude Code users set, goes as `x-api-key`."""
     claude_turn_checked(corral, "smol", home, key_variable="ANTHROPIC_API_KEY")
+
+
+# -- what the agents do at the end of a stream ------------------------------------------------
+
+def read_until_last_event(corral: Corral, path: str, body: dict[str, Any], last: bytes) -> None:
+    """A streamed request on a raw connection, closed as soon as the whole `last` event is
+    in, as an SSE client that has what it waited for does."""
+    raw = json.dumps(body).encode()
+    port = int(corral.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}"
+                     f"\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}"
+                     "\r\n\r\n".encode() + raw)
+        got = b""
+        while (at := got.find(last)) < 0 or b"\n\n" not in got[at:]:
+            chunk = conn.recv(65536)
+            assert chunk, f"the stream ended before {last!r}: {got[-500:]!r}"
+            got += chunk
+
+
+@pytest.mark.timeout(300)
+def test_hanging_up_on_the_last_event_is_no_499(corral: Corral) -> None:
+    """Codex CLI closes the connection once `response.completed` is in, which may be before
+    corral has read the end of the child's stream: the client got the whole answer, and the
+    request log must say 200 (it said 499, `client closed request`, for about one in five;
+    chat's `[DONE]` and Messages' `message_stop` hit it more rarely)."""
+    since = time.time()
+    body = {"model": "smol", "stream": True, "input": "hi", "max_output_tokens": 3}
+    for _ in range(40):
+        read_until_last_event(corral, "/v1/responses", body, b"event: response.completed")
+
+    def all_in() -> list[dict[str, Any]]:
+        # The last one is accounted for once its handler has ended, after the hang-up.
+        mine = [r for r in requests_since(corral, since) if r["endpoint"] == "/v1/responses"]
+        return mine if len(mine) == 40 else []
+
+    entries = wait_until(all_in)
+    assert [r["status"] for r in entries] == [200] * 40, entries
