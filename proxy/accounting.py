@@ -53,7 +53,9 @@ class Accounting:
         try:
             response = await answer(request, handler)
         except asyncio.CancelledError:
-            self.finish(record, CLIENT_GONE)
+            # A client that hangs up once the stream's last event is in (while the relay
+            # waits for the child's end of it) got the answer whole: not a 499.
+            self.finish(record, 200 if record.delivered() else CLIENT_GONE)
             raise
         except web.HTTPException as exc:
             self.finish(record, exc.status)
@@ -61,7 +63,10 @@ class Accounting:
         except BaseException:
             self.finish(record, 500)
             raise
-        self.finish(record, response.status)
+        status = response.status
+        if status == CLIENT_GONE and record.delivered():
+            status = 200  # its last write failed, after the whole answer went out
+        self.finish(record, status)
         return response
 
     def recent_requests(self, limit: int) -> list[dict[str, Any]]:

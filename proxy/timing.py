@@ -115,6 +115,10 @@ class RequestRecord:
         if head.tokens_in is not None and self.prompt_tokens is None:
             self.prompt_tokens = head.tokens_in
 
+    def delivered(self) -> bool:
+        """A stream whose last event went out whole (before finish() drops the tail)."""
+        return self.stream and self.wire.ended(b"".join(self.tail))
+
     def read_stream_tail(self) -> None:
         """Token counts from the last events of a stream (the chunks kept in `tail`)."""
         text = b"".join(self.tail)

@@ -317,3 +317,29 @@ def test_the_served_name_is_renamed_where_each_family_names_its_model() -> None:
                b'{"id":"r","model":"tiny-served","status":"in_progress"}}\n\n')
     out = StreamRenamer(SERVED, "tiny-cmd", RESPONSES).feed(created)
     assert SERVED.encode() not in out and b'"model":"tiny-cmd"' in out, out
+
+
+@pytest.mark.parametrize(("path", "tail", "whole"), [
+    ("/v1/chat/completions", b'data: {"choices":[]}\n\ndata: [DONE]\n\n', True),
+    ("/v1/chat/completions", b'data: {"choices":[]}\n\n', False),
+    ("/v1/chat/completions", b"data: [DONE]", False),  # not all out
+    ("/v1/responses", b'event: response.output_text.done\ndata: {}\n\n'
+                      b'event: response.completed\ndata: {"type":"response.completed"}\n\n', True),
+    ("/v1/responses", b'event: response.incomplete\ndata: {}\n\n', True),
+    ("/v1/responses", b'event: response.output_text.delta\ndata: {}\n\n', False),
+    ("/v1/responses", b'event: response.failed\ndata: {}\n\n', False),
+    ("/v1/messages", b'event: message_delta\ndata: {}\n\nevent: message_stop\n'
+                     b'data: {"type":"message_stop"}\n\n', True),
+    ("/v1/messages", b'event: message_delta\ndata: {}\n\n', False),
+    ("/v1/messages", b'event: message_stop\ndata: {"type":"mess', False),
+])
+def test_a_stream_is_whole_once_its_familys_last_event_is_out(path: str, tail: bytes,
+                                                              whole: bool) -> None:
+    """What the request log says of a client that hangs up right after the last event
+    (Codex after response.completed, the OpenAI SDK after [DONE]): 200, not 499."""
+    from corral.proxy.timing import RequestRecord
+
+    record = RequestRecord("m", path, stream=True)
+    # Split anywhere: the tail is the last few chunks as the child sent them.
+    record.tail.extend([tail[:7], tail[7:]])
+    assert record.delivered() is whole

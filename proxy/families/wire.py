@@ -79,6 +79,24 @@ class Wire:
     def head(self) -> StreamHead:
         return StreamHead(self)
 
+    # The events that end this family's stream as a whole answer.
+    last_events: frozenset[bytes] = frozenset()
+
+    def ended(self, tail: bytes) -> bool:
+        """Whether `tail`, the last bytes of a stream written to the client, ends with the
+        event that says the answer is whole (a client may hang up right after it: the
+        OpenAI SDK after `[DONE]`, Codex after `response.completed`)."""
+        text = tail.rstrip(b"\n")
+        if not tail.endswith(b"\n\n"):
+            return False  # the last event is not all out
+        if not self.last_events:
+            return text.endswith(DONE.rstrip(b"\n"))
+        start = text.rfind(b"\n\n") + 2 if b"\n\n" in text else 0
+        for line in text[start:].split(b"\n"):
+            if line.startswith(b"event:"):
+                return line[6:].strip() in self.last_events
+        return False
+
     def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
         """Take what the stream's first event says into `head`; whether it was that event."""
         return True
@@ -89,6 +107,7 @@ class ResponsesWire(Wire):
 
     name = "responses"
     end = b""
+    last_events = frozenset({b"response.completed", b"response.incomplete"})
     nested = ("response",)
     reads_head = True  # the response's id, for the `response.failed` that may end it
 
@@ -132,6 +151,7 @@ class MessagesWire(Wire):
 
     name = "messages"
     end = b""
+    last_events = frozenset({b"message_stop"})
     nested = ("message",)
     reads_head = True  # message_start: the input tokens
 
