@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from corral.supervisor.memory.auto_kv import choose_step
 from corral.supervisor.memory.placement import GpuChoice, GpuPlacement
 from corral.supervisor.memory.view import Footprint, MemoryView, mib
 from corral.supervisor.plugins import PluginError, load_object
@@ -220,25 +221,22 @@ class BaseStrategy(GpuPlacement):
         return min(level, len(view.kv_ladder) - 1)
 
     def auto_level(self, snap: Snapshot, view: ModelView) -> int:
-        """`kv_cache.mode: auto`: the best step whose estimate fits the model's budget on
-        every device it uses beside what is kept loaded there (placement cannot evict that;
-        anything else, making room is its job); else the best that fits the budget as a whole,
-        else the last step."""
+        return self.auto_choice(snap, view)[0]
+
+    def auto_choice(self, snap: Snapshot, view: ModelView) -> tuple[int, str]:
+        """`kv_cache.mode: auto`'s step, and why (memory/auto_kv.py): the best that fits the
+        model's budget beside what is kept loaded there, else the best that fits it whole."""
         mem = snap.memory
         if mem is None or snap.estimate is None:
-            return 0
+            return 0, "no memory reading yet: the ladder's top"
         pool = mem.pool_of(snap.groups, snap.model_of(view.name))
         kept = self.kept_views(snap)
-        beside = [v for v in snap.loaded if v.name in kept and v.name != view.name
-                  and mem.pool_of(snap.groups, snap.model_of(v.name)) == pool]
+        beside = {v.name: v.footprint for v in snap.loaded if v.name in kept
+                  and v.name != view.name and mem.pool_of(snap.groups, snap.model_of(v.name))
+                  == pool}
+        labels = [f"{kv.type_k}/{kv.type_v}" for kv in view.kv_ladder]
         needs = [self.need(snap, view.name, kv) for kv in view.kv_ladder]
-        for held in (beside, []):
-            for level, need in enumerate(needs):
-                if all(n + sum(v.footprint.get(d, 0) for v in held)
-                       <= mem.pool_capacity(mem.devices[d], pool)
-                       for d, n in need.items() if d in mem.devices):
-                    return level
-        return len(view.kv_ladder) - 1
+        return choose_step(mem, pool, labels, needs, beside)
 
     def need(self, snap: Snapshot, model: str, kv: KvCache | None = None,
              extra: Mapping[str, int] | None = None) -> Footprint:

@@ -114,11 +114,13 @@ class Daemon:
         self._keeper.start()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True))
-        self.tasks.spawn(self.ttl.run(), "ttl-sweeper")
         try:
             await self.memory_loop.sample()  # decisions see memory from the first request on
         except Exception:
             log.exception("daemon.memory_watch_failed")  # corral serves without it meanwhile
+        # After the first sample: its first sweep starts what is kept loaded, which must be
+        # estimated and placed on the GPUs that sample found (before it, none: CPU only).
+        self.tasks.spawn(self.ttl.run(), "ttl-sweeper")
         self.tasks.spawn(self.read_model.prefetch_facts(self.herd.loaded), "prefetch-facts")
         self.tasks.spawn(self.read_model.read_inventory(self.herd.loaded), "inventory")
         self.tasks.spawn(self.memory_loop.run(), "memory")

@@ -161,6 +161,7 @@ class Planner:
         """Start `inst` with the KV types the strategy picks for it, on the GPUs it picks;
         it counts at its estimate until measured."""
         kv = self.decide("kv_cache", None, snap, view_name)
+        self._log_auto_kv(inst, snap, view_name, kv)
         strategy: Any = self._herd.runtime.strategy
         chooser = strategy if callable(getattr(strategy, "gpus_for", None)) else policy.Generic()
         try:
@@ -181,6 +182,25 @@ class Planner:
             log.info("daemon.gpus_chosen", model=inst.name, gpus=list(choice.indices),
                      split=list(choice.split) or None)
         self._memory.started(inst)
+
+    def _log_auto_kv(self, inst: Instance, snap: policy.Snapshot, view_name: str,
+                     kv: policy.KvCache | None) -> None:
+        """Why `kv_cache.mode: auto` starts `inst` at `kv` (a step below the top is a
+        surprise worth explaining: what did not fit, beside what)."""
+        view = snap.view(view_name)
+        explain = getattr(self._herd.runtime.strategy, "auto_choice", None)
+        if kv is None or view is None or not view.kv_auto or explain is None:
+            return
+        try:
+            level, reason = explain(snap, view)
+        except Exception:  # a plugin's own auto_choice: the start goes on unexplained
+            log.exception("daemon.strategy_failed", decision="auto_choice")
+            return
+        step = view.kv_ladder.index(kv) if kv in view.kv_ladder else None
+        if step is not None and step != level:
+            reason += f"; adaptive KV holds it at step {step}"
+        log.info("daemon.kv_cache_chosen", model=inst.name, kv=f"{kv.type_k}/{kv.type_v}",
+                 step=step, reason=reason)
 
     def tune(self, spec: ModelSpec) -> ModelSpec:
         """The backend's last word on a start's settings, from what it needs per device
