@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from corral.proxy import client_io, sse
+from corral.proxy.accounting import RECORD
 from corral.proxy.child_http import ChildHttpError, ChildResponse
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import (
@@ -36,6 +37,7 @@ from corral.proxy.groups import (
     MemberResult,
 )
 from corral.proxy.routing import group_by_name
+from corral.proxy.timing import RequestRecord
 from corral.proxy.upstream import leased
 from corral.proxy.validate import bad, check_fields, check_messages
 from corral.supervisor.config import GroupSpec
@@ -161,56 +163,99 @@ def final_answer(outcome: GroupOutcome, finish: str | None = None) -> Answer:
 async def group_as_model(request: web.Request, runner: GroupRunner, group: GroupSpec,
                          client_body: dict[str, Any], family: str) -> web.StreamResponse:
     """An exposed group asked like a model in `family` (chat, responses, messages): the
-    request becomes the chat request the group runs, the answer is in the client's family."""
+    request becomes the chat request the group runs, the answer is in the client's family.
+    Its record (/admin/requests, the token counters) counts the group's summed usage under
+    the group's name, however it ends: its members' calls are counted nowhere else."""
     body = translate.to_chat(family, client_body)
     if family != "chat" and "template" in client_body:
         body["template"] = client_body["template"]
     check_group_request(body)  # an exposed chain takes a request's template too
+    record = request[RECORD]
+    known: list[GroupOutcome] = []  # the run's outcome once there is one: what it spent
+    try:
+        return await _answer(request, runner, group, body, family, record, known)
+    finally:
+        if known:
+            usage = known[-1].usage()
+            record.prompt_tokens = usage["prompt_tokens"]
+            record.completion_tokens = usage["completion_tokens"]
+
+
+async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
+                  body: dict[str, Any], family: str, record: RequestRecord,
+                  known: list[GroupOutcome]) -> web.StreamResponse:
     writer = writer_for(family, group.name)
     synthesis_end: list[str | None] = []
     if not body.get("stream"):
         async def synthesize(outcome: GroupOutcome) -> None:
+            known.append(outcome)
             # As the runner would, keeping how the synthesis ended (a cut one says so).
             synthesis_end.append((await _synthesis(runner, body, outcome)).finish)
 
         try:
             outcome = await runner.run(group, body, final_step=synthesize)
         except GroupFailed as exc:
+            known.append(exc.outcome)
             return failed_response(exc, runner.daemon)
+        known.append(outcome)
         answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
+        record.first_bytes()  # the whole answer goes out now
         return web.json_response(writer.whole(answer, outcome.as_dict()))
 
     response = web.StreamResponse(headers=sse.sse_headers())
     # Every write has the client's deadline: one that stops reading is cut off (ClientStalled)
     # and the synthesizer's lease goes back with the relay.
     out = client_io.writer(request, response, group.name)
+    opened = _Opening(out, writer, record)
     try:
         if group.type == "consensus":
             async def relay_synthesis(outcome: GroupOutcome) -> None:
+                known.append(outcome)  # a client gone mid-synthesis: the members' tokens
                 synthesis_end.append(
-                    await _stream_synthesis(out, runner, writer, body, outcome))
+                    await _stream_synthesis(opened, runner, body, outcome))
 
             outcome = await runner.run(group, body, final_step=relay_synthesis)
         else:
             outcome = await runner.run(group, body)
-            await out.prepare()
-            await out.write(writer.start(outcome.usage()["prompt_tokens"])
-                            + writer.text(outcome.answer()))
+            known.append(outcome)
+            await opened.begin(outcome)
+            await out.write(writer.text(outcome.answer()))
     except GroupFailed as exc:
+        known.append(exc.outcome)
         if not response.prepared:
             return failed_response(exc, runner.daemon)
-        code = "shutting_down" if runner.daemon.closing else exc.code
-        await out.write(writer.error(str(exc), code))
+        # The status line said 200: the record says what the client was told in the stream.
+        shutting_down = runner.daemon.closing
+        record.error_status = 503 if shutting_down else 502
+        await out.write(writer.error(str(exc), "shutting_down" if shutting_down else exc.code))
         await out.finish()
         return response
+    known.append(outcome)
     answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
-    await out.write(writer.finish(answer, outcome.as_dict()))
+    end = writer.finish(answer, outcome.as_dict())
+    # The last event, kept as a relayed stream's tail is: a client that hangs up once it is
+    # in got the whole answer (a 200, not a 499).
+    record.tail.append(end)
+    await out.write(end)
     await out.finish()
     return response
 
 
-async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, writer: FamilyWriter,
-                            body: dict[str, Any], outcome: GroupOutcome) -> str | None:
+class _Opening:
+    """The start of a group's stream, written once: the family's head, with the time to
+    first token measured when it goes out."""
+
+    def __init__(self, out: ClientWriter, writer: FamilyWriter, record: RequestRecord):
+        self.out, self.writer, self.record = out, writer, record
+
+    async def begin(self, outcome: GroupOutcome) -> None:
+        await self.out.prepare()
+        await self.out.write(self.writer.start(outcome.usage()["prompt_tokens"]))
+        self.record.first_bytes()
+
+
+async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
+                            outcome: GroupOutcome) -> str | None:
     """Relay the synthesizer's own token stream, in the client's family, as it is written;
     how it ended (stop, length). A synthesizer that speaks another family (`api:`) is asked
     whole, and its answer written at once."""
@@ -218,7 +263,7 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, writer: Fami
     model = group.synthesizer
     assert model
     if runner.api_of(model) != "chat":
-        return await _whole_synthesis(out, runner, writer, body, outcome)
+        return await _whole_synthesis(opened, runner, body, outcome)
     payload = runner.body_for(model, runner.synthesis_body(group, body, outcome), stream=True)
     # Its usage in the last chunk: the group's usage counts the synthesis too.
     payload["stream_options"] = {"include_usage": True}
@@ -235,8 +280,8 @@ async def _stream_synthesis(out: ClientWriter, runner: GroupRunner, writer: Fami
             first_byte.reschedule(None)
             try:
                 await _expect_ok(upstream, model)
-                await out.prepare()
-                await out.write(writer.start(outcome.usage()["prompt_tokens"]))
+                await opened.begin(outcome)
+                out, writer = opened.out, opened.writer
                 async with contextlib.aclosing(_events(upstream, model)) as events:
                     async for event in events:
                         delta, end = _read_chunk(event, outcome)
@@ -270,12 +315,11 @@ async def _synthesis(runner: GroupRunner, body: dict[str, Any],
     return result
 
 
-async def _whole_synthesis(out: ClientWriter, runner: GroupRunner, writer: FamilyWriter,
-                           body: dict[str, Any], outcome: GroupOutcome) -> str | None:
+async def _whole_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
+                           outcome: GroupOutcome) -> str | None:
     result = await _synthesis(runner, body, outcome)
-    await out.prepare()
-    await out.write(writer.start(outcome.usage()["prompt_tokens"])
-                    + writer.text(result.content or ""))
+    await opened.begin(outcome)
+    await opened.out.write(opened.writer.text(result.content or ""))
     return result.finish
 
 
