@@ -59,7 +59,7 @@ def claude(corral: Corral) -> anthropic.Anthropic:
 
 def record_of(corral: Corral, group: str, endpoint: str, stream: bool) -> dict[str, Any]:
     """The group's latest /admin/requests entry of this kind (tests run one by one)."""
-    requests = corral.http.get("/admin/requests").json()["requests"]
+    requests = corral.http.get("/admin/requests?limit=1000").json()["requests"]
     found = [r for r in requests
              if r["model"] == group and r["endpoint"] == endpoint and r["stream"] is stream]
     assert found, requests
@@ -218,3 +218,31 @@ def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
     assert "message_stop" not in seen, seen
     assert record_of(corral, "doomed", "/v1/messages", True)["status"] == 502
     a_fresh_synthesizer_answers(corral, pid)
+
+
+LAST_EVENT = {"/v1/chat/completions": b"data: [DONE]", "/v1/responses": b"response.completed",
+              "/v1/messages": b"message_stop"}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_client_that_hangs_up_after_the_last_event_got_a_200(corral: Corral,
+                                                               path: str) -> None:
+    """As Codex hangs up once response.completed is in: the group's answer was whole."""
+    body: dict[str, Any] = {"model": "par", "stream": True, "max_tokens": MAX, "messages": HI}
+    if path == "/v1/responses":
+        body = {"model": "par", "stream": True, "max_output_tokens": MAX, "input": "hi"}
+    before = len(corral.http.get("/admin/requests?limit=1000").json()["requests"])
+    raw = b""
+    with corral.http.stream("POST", path, json=body) as response:
+        for chunk in response.iter_bytes():
+            raw += chunk
+            if LAST_EVENT[path] in raw:
+                break
+    assert LAST_EVENT[path] in raw, raw[-300:]
+
+    def recorded() -> list[dict[str, Any]]:
+        requests = corral.http.get("/admin/requests?limit=1000").json()["requests"]
+        return [r for r in requests[before:] if r["model"] == "par" and r["endpoint"] == path]
+
+    record = wait_until(recorded, timeout=15)[-1]
+    assert record["status"] == 200 and record["tokens_out"], record
