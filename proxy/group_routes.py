@@ -91,11 +91,23 @@ async def batch_execute(request: web.Request, runner: GroupRunner, body: dict[st
                         admin: bool) -> web.StreamResponse:
     group = group_by_name(runner.daemon, _group_name(body), admin=admin)
     check_group_request(body)
+    request[RECORD].model = group.name
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
+        _count(request, exc.outcome)
         return failed_response(exc, runner.daemon)
+    _count(request, outcome)
     return web.json_response(outcome.as_dict())
+
+
+def _count(request: web.Request, outcome: GroupOutcome) -> None:
+    """/v1/batch and /v1/chain are accounted like a group asked as a model: under the
+    group's name, with what its members spent."""
+    usage = outcome.usage()
+    record = request[RECORD]
+    record.prompt_tokens = usage["prompt_tokens"]
+    record.completion_tokens = usage["completion_tokens"]
 
 
 async def chain_execute(request: web.Request, runner: GroupRunner, body: dict[str, Any], *,
@@ -107,10 +119,13 @@ async def chain_execute(request: web.Request, runner: GroupRunner, body: dict[st
             group = _as_chain(group)
     else:
         group = _ad_hoc_chain(runner.daemon, body.get("models"))
+    request[RECORD].model = group.name
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
+        _count(request, exc.outcome)
         return failed_response(exc, runner.daemon)
+    _count(request, outcome)
     result = outcome.as_dict()
     result["steps"] = result.pop("responses")
     return web.json_response(result)

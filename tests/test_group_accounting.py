@@ -246,3 +246,22 @@ def test_a_client_that_hangs_up_after_the_last_event_got_a_200(corral: Corral,
 
     record = wait_until(recorded, timeout=15)[-1]
     assert record["status"] == 200 and record["tokens_out"], record
+
+
+@pytest.mark.parametrize("path", ["/v1/batch/execute", "/v1/chain/execute"])
+def test_batch_and_chain_execute_are_counted_under_the_group(corral: Corral, path: str) -> None:
+    """The group endpoints of corral's own are accounted like a group asked as a model."""
+    before = counters(corral)
+    resp = corral.http.post(path, json={
+        "group": "par", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Say hi."}]})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0, usage
+    entry = record_of(corral, "par", path, stream=False)
+    assert (entry["status"], entry["tokens_in"], entry["tokens_out"]) == (
+        200, usage["prompt_tokens"], usage["completion_tokens"]), entry
+    after = counters(corral)
+    assert after["par"][0] - before["par"][0] == usage["prompt_tokens"]
+    assert after["par"][1] - before["par"][1] == usage["completion_tokens"]
+    assert after["tiny-a"] == before["tiny-a"] and after["tiny-b"] == before["tiny-b"]
