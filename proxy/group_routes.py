@@ -34,7 +34,6 @@ from corral.proxy.groups import (
     GroupFailed,
     GroupOutcome,
     GroupRunner,
-    MemberResult,
 )
 from corral.proxy.routing import group_by_name
 from corral.proxy.timing import RequestRecord
@@ -205,7 +204,7 @@ async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
         async def synthesize(outcome: GroupOutcome) -> None:
             known.append(outcome)
             # As the runner would, keeping how the synthesis ended (a cut one says so).
-            synthesis_end.append((await _synthesis(runner, body, outcome)).finish)
+            synthesis_end.append((await runner.synthesize(outcome.group, body, outcome)).finish)
 
         try:
             outcome = await runner.run(group, body, final_step=synthesize)
@@ -314,25 +313,9 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
     return finish
 
 
-async def _synthesis(runner: GroupRunner, body: dict[str, Any],
-                     outcome: GroupOutcome) -> MemberResult:
-    """The synthesizer's whole answer, as the group's final one (its usage counted)."""
-    group = outcome.group
-    assert group.synthesizer
-    result = await runner.call(group.synthesizer, runner.synthesis_body(group, body, outcome),
-                               group.member_timeout)
-    if result.usage:
-        outcome.extra_usage.append(result.usage)
-    if not result.ok:
-        raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
-                          f"{result.error}", outcome)
-    outcome.final = result.content or ""
-    return result
-
-
 async def _whole_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
                            outcome: GroupOutcome) -> str | None:
-    result = await _synthesis(runner, body, outcome)
+    result = await runner.synthesize(outcome.group, body, outcome)
     await opened.begin(outcome)
     await opened.out.write(opened.writer.text(result.content or ""))
     return result.finish

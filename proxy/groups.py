@@ -236,7 +236,7 @@ class GroupRunner:
             if final_step is not None:
                 await final_step(outcome)
             else:
-                await self._synthesize(group, body, outcome)
+                await self.synthesize(group, body, outcome)
         elif group.type == "chain":
             done = [r for r in responses if r.ok]
             outcome.final = done[-1].content if done else None
@@ -406,8 +406,9 @@ class GroupRunner:
         return {**body, "messages": group_images.without_images(
             with_user_text(messages, prompt))}
 
-    async def _synthesize(self, group: GroupSpec, body: dict[str, Any],
-                          outcome: GroupOutcome) -> None:
+    async def synthesize(self, group: GroupSpec, body: dict[str, Any],
+                         outcome: GroupOutcome) -> MemberResult:
+        """The synthesizer's whole answer, as the group's final one (its usage counted)."""
         assert group.synthesizer
         result = await self.call(group.synthesizer, self.synthesis_body(group, body, outcome),
                                  group.member_timeout)
@@ -416,7 +417,8 @@ class GroupRunner:
         if not result.ok:
             raise GroupFailed(f"group {group.name!r}: synthesizer {group.synthesizer} failed: "
                               f"{result.error}", outcome)
-        outcome.final = result.content
+        outcome.final = result.content or ""
+        return result
 
     # -- votes ---------------------------------------------------------------------------------
 
