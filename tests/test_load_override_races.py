@@ -1,0 +1,344 @@
+"""Admin load overrides against the model's lifecycle (issue 36, review R2): what an unload, a
+second load, a stream in flight, a crash of a pinned child and a config reload do to a load
+with overrides, and who may send one. One rule each, as docs/api.md says it:
+
+- an unload wins over a load with overrides, whenever it comes (even while the load's
+  overrides are still being checked);
+- two loads with different settings: the first that gets the model wins, the other is a 409
+  settings_differ (never a 200 over settings it did not ask for);
+- `restart: true` drains: a stream in flight on the old child ends whole;
+- overrides are the settings of the children their load starts: a crash, a KV step or a
+  reload that changes the model restarts it with the config; a reload that does not change
+  the model leaves its child (and its overrides) running.
+
+The model's binary is a wrapper of llama-server that can hold its `--help` (which the check of a
+KV type override asks) until the test lets it go: the test waits on files, not durations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from corral.supervisor.backends.binaries import find_executable
+
+from conftest import Corral, CorralFactory, wait_until
+from tinymodel import write_tiny_llama
+
+ADMIN_KEY = "admin-secret"
+USER_KEY = "user-secret"
+
+
+class Gate:
+    """The wrapper's switch: while `block` exists, `--help` says so (`asked`) and waits."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.block = folder / "block"
+        self.asked = folder / "asked"
+        self.binary = folder / "llama-server"
+        self._version = 0
+        self._write()
+
+    def _write(self) -> None:
+        real = find_executable(None, ("llama-server",))
+        # Its size changes with each version: corral's --help cache is per file version.
+        self.binary.write_text(
+            f"#!/bin/sh\n# version {self._version}\n"
+            f"if [ \"$1\" = --help ] && [ -e {self.block} ]; then\n"
+            f"  touch {self.asked}\n"
+            f"  while [ -e {self.block} ]; do sleep 0.02; done\n"
+            f"fi\nexec {real} \"$@\"\n")
+        self.binary.chmod(0o755)
+
+    def close(self) -> None:
+        """The next KV check asks --help again, and that --help waits until open()."""
+        self.asked.unlink(missing_ok=True)
+        self.block.touch()
+        self._version += 1
+        self._write()
+
+    def wait_asked(self) -> None:
+        wait_until(self.asked.exists, timeout=20)
+
+    def open(self) -> None:
+        self.block.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Gate:
+    return Gate(tmp_path_factory.mktemp("gate"))
+
+
+def config(model: str, gate: Gate, tiny_ctx: int = 1024) -> dict[str, Any]:
+    return {
+        "api_keys": [USER_KEY], "admin_api_keys": [ADMIN_KEY],
+        "shutdown_grace": 30,
+        "defaults": {"ctx": 1024, "prompt_cache": False},
+        "policy": {"max_loaded": 3},
+        "models": {"tiny": {"model": model, "ctx": tiny_ctx, "binary": str(gate.binary)},
+                   "kept": {"model": model},
+                   "other": {"model": model}},
+        "groups": {"core": {"models": ["kept"], "pinned": True}},
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(start_corral_module: CorralFactory, tmp_path_factory: pytest.TempPathFactory,
+          gate: Gate) -> tuple[Corral, str]:
+    # Heads of 32 dims: quantized KV types run on it.
+    model = str(write_tiny_llama(tmp_path_factory.mktemp("m") / "tiny.gguf", 1, n_head=2))
+    corral = start_corral_module(config(model, gate), api_key=ADMIN_KEY)
+    wait_until(lambda: corral.model("kept")["state"] == "ready", timeout=30)
+    return corral, model
+
+
+@pytest.fixture
+def corral(setup: tuple[Corral, str], gate: Gate) -> Any:
+    corral = setup[0]
+    yield corral
+    gate.open()
+    for name in ("tiny", "other"):
+        corral.http.post(f"/admin/models/{name}/unload?force=1")
+        wait_until(lambda n=name: corral.model(n)["state"] == "stopped", timeout=30)
+
+
+def load(corral: Corral, name: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return corral.http.post(f"/admin/models/{name}/load", json=body, timeout=120)
+
+
+def in_background(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def argv_of(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+# -- an unload wins --------------------------------------------------------------------------------
+
+def test_an_unload_while_the_overrides_are_checked_wins(corral: Corral, gate: Gate):
+    """The unload comes after the load was asked, while its KV type is being checked (the
+    binary's --help): the model stays stopped, and the load says it was called off."""
+    gate.close()
+    thread, out = in_background(lambda: load(corral, "tiny", {"cache_type_k": "q8_0"}))
+    gate.wait_asked()
+    assert corral.http.post("/admin/models/tiny/unload").status_code == 200
+    gate.open()
+    thread.join(60)
+    answer = out[0]
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_unloaded"
+    assert corral.model("tiny")["state"] == "stopped"
+    assert corral.model("tiny")["wish"] == "absent"
+
+
+def test_an_unload_during_a_restart_with_overrides_wins(corral: Corral):
+    """A restart with new settings drains the old child (a stream holds it); a forced unload
+    meanwhile stops everything, and the load answers 503 model_unloaded (not a 500, not a
+    hang-up), the model stopped."""
+    assert load(corral, "tiny").status_code == 200
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": "tiny", "stream": True, "max_tokens": 100000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        thread, out = in_background(
+            lambda: load(corral, "tiny", {"ctx": 2048, "restart": True}))
+        wait_until(lambda: corral.model("tiny")["model_state"] == "restarting")
+        assert corral.http.post("/admin/models/tiny/unload?force=1").status_code == 200
+        thread.join(60)
+        for _ in lines:  # cut by the forced unload: what matters is the load's answer
+            pass
+    answer = out[0]
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_unloaded"
+    wait_until(lambda: corral.model("tiny")["state"] == "stopped")
+    assert corral.model("tiny")["wish"] == "absent"
+
+
+# -- two loads --------------------------------------------------------------------------------------
+
+def test_two_loads_with_different_settings_never_both_succeed(corral: Corral, gate: Gate):
+    """Both are checked at once (their --help held, then let go together): whichever gets the
+    model first starts it with its settings; the other is a 409 settings_differ, never a 200
+    over settings it did not ask for."""
+    gate.close()
+    asked = [{"cache_type_k": "q8_0", "ctx": 2048}, {"cache_type_k": "q4_0", "ctx": 4096}]
+    runs = [in_background(lambda b=b: load(corral, "tiny", b)) for b in asked]
+    gate.wait_asked()
+    gate.open()
+    for thread, _ in runs:
+        thread.join(60)
+    answers = [out[0] for _, out in runs]
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200, 409], [a.text for a in answers]
+    for body, answer in zip(asked, answers):
+        if answer.status_code == 200:
+            assert answer.json()["overrides"] == body
+            argv = argv_of(answer.json()["pid"])
+            assert flag(argv, "--ctx-size") == str(body["ctx"])
+            assert flag(argv, "--cache-type-k") == body["cache_type_k"]
+        else:
+            assert answer.json()["error"]["code"] == "settings_differ"
+
+
+# -- a stream in flight -----------------------------------------------------------------------------
+
+def test_a_restart_with_overrides_drains_a_stream_in_flight(corral: Corral):
+    assert load(corral, "tiny").status_code == 200
+    old = corral.model("tiny")["pid"]
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": "tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        thread, out = in_background(
+            lambda: load(corral, "tiny", {"ctx": 2048, "restart": True}))
+        wait_until(lambda: corral.model("tiny")["model_state"] == "restarting")
+        rest = [first, *(line for line in lines if line.startswith("data:"))]
+    thread.join(60)
+    assert rest[-1] == "data: [DONE]"
+    events = [json.loads(line[5:]) for line in rest[:-1]]
+    assert not any("error" in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    answer = out[0]
+    assert answer.status_code == 200, answer.text
+    shown = answer.json()
+    assert shown["pid"] != old and shown["overrides"] == {"ctx": 2048}
+    assert flag(argv_of(shown["pid"]), "--ctx-size") == "2048"
+
+
+def test_parallel_override_queues_requests_beyond_its_slots(corral: Corral):
+    assert load(corral, "tiny", {"parallel": 2}).status_code == 200
+    assert corral.model("tiny")["parallel"] == 2
+
+    def ask() -> int:
+        return corral.http.post("/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 20, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}).status_code
+    runs = [in_background(ask) for _ in range(6)]
+    for thread, _ in runs:
+        thread.join(120)
+    assert [out[0] for _, out in runs] == [200] * 6
+
+
+# -- crashes and reloads ----------------------------------------------------------------------------
+
+def test_a_pinned_model_that_crashes_comes_back_with_its_config(corral: Corral):
+    """Overrides are the settings of the start their load made: keep-up's restart runs the
+    config, and /admin/models says so."""
+    answer = load(corral, "kept", {"ctx": 2048, "restart": True})
+    assert answer.status_code == 200, answer.text
+    pid = answer.json()["pid"]
+    assert answer.json()["overrides"] == {"ctx": 2048}
+    corral.expect(allow=["kept"])
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: corral.model("kept")["state"] == "ready"
+               and corral.model("kept")["pid"] not in (None, pid), timeout=30)
+    shown = corral.model("kept")
+    assert shown["overrides"] is None and shown["ctx"] == 1024
+    assert flag(argv_of(shown["pid"]), "--ctx-size") == "1024"
+
+
+def reload_with(corral: Corral, data: dict[str, Any]) -> dict[str, Any]:
+    corral.config_path.write_text(yaml.safe_dump(data))
+    answer = corral.http.post("/admin/reload")
+    assert answer.status_code == 200, answer.text
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+def test_a_reload_keeps_overrides_unless_it_changes_the_model(setup: tuple[Corral, str],
+                                                               corral: Corral, gate: Gate):
+    model = setup[1]
+    answer = load(corral, "tiny", {"ctx": 2048})
+    assert answer.status_code == 200, answer.text
+    pid = answer.json()["pid"]
+    try:
+        # Another model changes: tiny's child runs on with its overrides.
+        changed = config(model, gate)
+        changed["models"]["other"]["ctx"] = 512
+        reload_with(corral, changed)
+        shown = corral.model("tiny")
+        assert (shown["pid"], shown["overrides"], shown["ctx"]) == (pid, {"ctx": 2048}, 2048)
+        # tiny's own config changes: it restarts with the new config; its overrides end.
+        reload_with(corral, config(model, gate, tiny_ctx=512))
+        wait_until(lambda: corral.model("tiny")["state"] == "ready"
+                   and corral.model("tiny")["pid"] != pid, timeout=30)
+        shown = corral.model("tiny")
+        assert shown["overrides"] is None and shown["ctx"] == 512
+        assert flag(argv_of(shown["pid"]), "--ctx-size") == "512"
+    finally:
+        reload_with(corral, config(model, gate))
+
+
+# -- who may ask, and how ---------------------------------------------------------------------------
+
+def test_a_user_key_or_another_origin_may_not_load_with_overrides(corral: Corral):
+    as_user = corral.http.post("/admin/models/tiny/load", json={"ctx": 2048},
+                               headers={"Authorization": f"Bearer {USER_KEY}"})
+    assert as_user.status_code in (401, 403), as_user.text
+    browser = corral.http.post("/admin/models/tiny/load", json={"ctx": 2048},
+                               headers={"Origin": "http://evil.example"})
+    assert browser.status_code == 403, browser.text
+    assert corral.model("tiny")["state"] == "stopped"
+
+
+@pytest.mark.parametrize(("content", "kind", "param"), [
+    ("not json", "application/json", None),
+    ("[1, 2]", "application/json", None),
+    ('{"ctx": 1e400}', "application/json", "ctx"),
+    ('{"ctx": 4096.0}', "application/json", "ctx"),
+    ('{"ctx": true}', "application/json", "ctx"),
+    ('{"ctx": null}', "application/json", "ctx"),
+    ('{"ctx": -5}', "application/json", "ctx"),
+    ('{"parallel": 100000000000000000000000000000}', "application/json", "parallel"),
+    ('{"cache_type_k": 8}', "application/json", "cache_type_k"),
+    ('{"cache_type_k": "' + "q" * 100000 + '"}', "application/json", "cache_type_k"),
+    ('{"ctx": 2048}', "text/plain", None),
+])
+def test_malformed_bodies_are_refused_and_start_nothing(corral: Corral, content: str, kind: str,
+                                                        param: str | None):
+    answer = corral.http.post("/admin/models/tiny/load", content=content,
+                              headers={"Content-Type": kind})
+    assert answer.status_code in (400, 415), answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    if param is not None:
+        assert error["param"] == param, error
+        assert len(error["message"]) < 300
+    assert corral.model("tiny")["state"] == "stopped"
+
+
+def test_the_cli_passes_overrides_to_a_running_daemon(corral: Corral):
+    env = {**os.environ, "CORRAL_URL": corral.url, "CORRAL_ADMIN_KEY": ADMIN_KEY}
+    run = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "load", "--ctx",
+                          "2048", "--parallel", "2", "tiny"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    shown = corral.model("tiny")
+    assert shown["overrides"] == {"ctx": 2048, "parallel": 2}
+    refused = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "load", "--ctx",
+                              "4096", "tiny"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert refused.returncode != 0 and "restart" in refused.stderr + refused.stdout
+    bad = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "load", "--ctx", "0",
+                          "tiny"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "ctx" in bad.stderr + bad.stdout
