@@ -11,13 +11,15 @@ from typing import Any
 from aiohttp import web
 
 from corral.proxy.errors import ApiError
+from corral.proxy.families.shapes import CHECKS
 
 # Deeper JSON than this is refused: nothing OpenAI-shaped needs it (tool schemas included),
 # and Python's recursion limit would end the request somewhere far from the parser.
 MAX_DEPTH = 64
 # Sampling fields that must be numbers when given (null means "the default", as in OpenAI).
-NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
-                 "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty")
+NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "temperature",
+                 "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repeat_penalty")
 
 
 def bad(message: str, param: str | None, code: str = "invalid_request") -> ApiError:
@@ -99,6 +101,9 @@ def check_fields(body: dict[str, Any], path: str = "/v1/chat/completions") -> No
             if not isinstance(tool, dict) or not isinstance(tool.get(key), str) or (
                     not isinstance(tool.get("type", ""), str)):
                 raise bad(f"tools[{i}] must be an object with a string '{key}'", f"tools[{i}]")
+    family = CHECKS.get(path)
+    if family is not None:  # the Responses and Messages bodies' own fields
+        family(body)
 
 
 def check_messages(body: dict[str, Any], *, required: bool) -> list[dict[str, Any]]:

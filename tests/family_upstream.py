@@ -3,10 +3,14 @@
 Responses and Messages each in its own shape, with a tool call when the request offers tools
 (the first tool, arguments {"city": "Paris"}), and writes every request it gets (path and
 body) as a JSON line to --log, so a test sees what corral sent it. With --break its chat
-stream stops after two chunks with the connection cut. Standard library only."""
+stream stops after two chunks with the connection cut. A request whose text says
+`hostile:NAME` gets the hostile answer NAME in the path's family instead (HOSTILE: wrong
+shapes, a giant or endless answer, an event stream where JSON was asked, corral-looking
+events in its text). Standard library only."""
 
 import argparse
 import json
+import re
 import socket
 import sys
 import threading
@@ -65,6 +69,61 @@ def messages(body: dict) -> dict:
 
 ANSWERS = {"/v1/chat/completions": chat, "/v1/responses": responses, "/v1/messages": messages}
 
+# Text that looks like the end of corral's own streams: a member's words, never events.
+FORGED = ('\n\nevent: message_stop\ndata: {"type": "message_stop"}\n\n'
+          'event: response.completed\ndata: {"type": "response.completed"}\n\ndata: [DONE]\n\n')
+
+
+def _wrong(path: str, key: str, value: object) -> dict:
+    """The path's normal answer with one field replaced (key: a path of dict keys, dots)."""
+    answer = ANSWERS.get(path, chat)({})
+    *heads, last = key.split(".")
+    target = answer
+    for head in heads:
+        target = target[head] if isinstance(target, dict) else target[0]
+    target[last] = value
+    return answer
+
+
+KEYS = {"/v1/chat/completions": ("choices.0.message.content", "usage"),
+        "/v1/responses": ("output.0.content", "usage"),
+        "/v1/messages": ("content", "usage")}
+
+
+def hostile(name: str, path: str) -> bytes | None:
+    """The body of hostile answer `name` to `path` (None: it never answers)."""
+    content, usage = KEYS.get(path, KEYS["/v1/chat/completions"])
+    if name == "content-not-list":
+        answer: object = _wrong(path, content, "just text")
+        if path == "/v1/chat/completions":
+            answer = _wrong(path, "choices.0.message", "just text")
+    elif name == "usage-strings":
+        answer = _wrong(path, usage, {"input_tokens": "many", "output_tokens": "7",
+                                      "prompt_tokens": "many", "completion_tokens": "7"})
+    elif name == "bad-tool-input":
+        call = {"/v1/messages": {"type": "tool_use", "id": "t", "name": "w", "input": "x"},
+                "/v1/responses": {"type": "function_call", "call_id": "c", "name": "w",
+                                  "arguments": 5}}.get(path)
+        answer = _wrong(path, "content" if call and path == "/v1/messages" else "output",
+                        [call]) if call else _wrong(path, "choices.0.message.tool_calls",
+                                                    [{"id": "c", "function": "w"}])
+    elif name == "not-an-object":
+        answer = ["an", "array"]
+    elif name == "giant":
+        answer = _wrong(path, "model", "x" * (3 * 1024 * 1024))
+    elif name == "events":  # an event stream, out of order, where JSON was asked
+        return (b"event: message_stop\ndata: {}\n\nevent: message_start\ndata: {}\n\n"
+                b"data: [DONE]\n\n")
+    elif name == "endless":
+        return None
+    elif name == "forged":  # well-formed, naming another model, corral's events in its text
+        answer = ANSWERS.get(path, chat)({"model": "someone-else"})
+        text = json.dumps(answer).replace("fake answer", json.dumps(FORGED)[1:-1])
+        return text.encode()
+    else:
+        answer = {"unknown hostile answer": name}
+    return json.dumps(answer).encode()
+
 
 def stream(conn: socket.socket, body: dict, broken: bool) -> None:
     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -94,6 +153,14 @@ def serve(conn: socket.socket, log: Path, broken: bool) -> None:
                 body = json.loads(raw or b"{}")
                 with log.open("a") as out:
                     out.write(json.dumps({"path": path, "body": body}) + "\n")
+                named = re.search(r"hostile:([a-z-]+)", json.dumps(body))
+                if named:
+                    data = hostile(named.group(1), path)
+                    if data is None:
+                        threading.Event().wait()  # endless: not a byte, ever
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+                    continue
                 if body.get("stream"):
                     stream(conn, body, broken)
                     return

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.proxy.errors import ApiError
+from corral.proxy.validate import check_fields
 
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
          "messages": "/v1/messages"}
@@ -33,14 +34,39 @@ def bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, "invalid_request", param=param)
 
 
+class NotAnAnswer(TypeError):
+    """A member's answer that is not one of its family (a TypeError: what the group runner
+    counts as a member that answered without a message)."""
+
+
+def _count(value: Any, what: str) -> int:
+    """A token count a member reported: a whole number, or none at all."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+            isinstance(value, float) and not value.is_integer()):
+        raise NotAnAnswer(f"its usage's {what} is {str(value)[:40]!r}, not a token count")
+    return int(value)
+
+
 def chat_usage(prompt: Any, completion: Any) -> dict[str, int]:
-    p, c = int(prompt or 0), int(completion or 0)
+    p, c = _count(prompt, "input"), _count(completion, "output")
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _text(part: Any) -> str:
+    """A part's text, or nothing (a part without one, or with null)."""
+    text = part.get("text") if isinstance(part, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 # -- a client's request, as the chat request a group runs ----------------------------------
 
 def to_chat(family: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request for a client's body in `family`; a 400 naming the client's field for
+    anything of the wrong type (shapes.py), or that a group cannot run."""
+    if family != "chat":
+        check_fields(body, PATHS[family])
     if family == "responses":
         return responses_to_chat(body)
     if family == "messages":
@@ -81,16 +107,27 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         if isinstance(choice, str):
             chat["tool_choice"] = choice
         elif isinstance(choice, dict) and choice.get("type") == "function":
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    text_format = (body.get("text") or {}).get("format") if isinstance(
-        body.get("text"), dict) else None
+            chat["tool_choice"] = {"type": "function",
+                                   "function": {"name": _name(choice, "tool_choice")}}
+    text_format = (body.get("text") or {}).get("format")
     if isinstance(text_format, dict) and text_format.get("type") == "json_schema":
+        if not isinstance(text_format.get("schema"), dict):
+            raise bad("text.format of type json_schema needs a 'schema' object",
+                      "text.format.schema")
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             k: text_format[k] for k in ("name", "schema", "strict", "description")
             if k in text_format}}
     elif isinstance(text_format, dict) and text_format.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     return chat
+
+
+def _name(obj: dict[str, Any], where: str) -> str:
+    """The name a tool, a call or a choice of tool must have for a member to use it."""
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+    return name
 
 
 def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -111,14 +148,14 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
         if isinstance(content, list):
             content = [_response_part(p, f"{where}.content") for p in content]
             if role != "user":  # only a user turn's content may carry images in chat
-                content = "".join(p.get("text", "") for p in content)
+                content = "".join(_text(p) for p in content)
         elif not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of parts", "input")
         messages.append({"role": "system" if role == "developer" else role,
                          "content": content})
     elif kind == "function_call":
-        call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                "function": {"name": item.get("name"),
+        call = {"id": item.get("call_id") or item.get("id") or f"call_{len(messages)}",
+                "type": "function", "function": {"name": _name(item, where),
                              "arguments": item.get("arguments") or "{}"}}
         last = messages[-1] if messages else None
         # Calls made in one turn are one assistant message in chat.
@@ -131,8 +168,11 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
     elif kind == "function_call_output":
         output = item.get("output")
         if isinstance(output, list):
-            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            output = "".join(_text(p) for p in output)
+        if not isinstance(item.get("call_id"), str):
+            raise bad(f"{where}.call_id must name the function_call it answers",
+                      f"{where}.call_id")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else json.dumps(output)})
     elif kind in ("reasoning", "item_reference"):
         return  # a model's own reasoning, or a stored item: nothing a member can read
@@ -144,7 +184,7 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
 def _response_part(part: Any, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text"):
-        return {"type": "text", "text": part.get("text") or ""}
+        return {"type": "text", "text": _text(part)}
     if kind == "input_image":
         url = part.get("image_url")
         if not isinstance(url, str):
@@ -159,7 +199,7 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if isinstance(system, list):
-        system = "\n".join(b.get("text", "") for b in system if isinstance(b, dict))
+        system = "\n".join(_text(b) for b in system)
     if isinstance(system, str) and system:
         messages.append({"role": "system", "content": system})
     turns = body.get("messages")
@@ -177,7 +217,7 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}}
         for t in body.get("tools") or []
         # A provider's own tools (web search, bash, ...) carry a type: no member has them.
-        if isinstance(t, dict) and t.get("type") in (None, "custom")]
+        if isinstance(t, dict) and t.get("type") in (None, "custom") and _name(t, "tools")]
     if tools:
         chat["tools"] = tools
         choice = body.get("tool_choice")
@@ -187,7 +227,8 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         elif kind == "any":
             chat["tool_choice"] = "required"
         elif kind == "tool" and isinstance(choice, dict):
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            chat["tool_choice"] = {"type": "function",
+                                   "function": {"name": _name(choice, "tool_choice")}}
     return chat
 
 
@@ -205,15 +246,20 @@ def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append({"type": "text", "text": block.get("text") or ""})
+            parts.append({"type": "text", "text": _text(block)})
         elif kind == "image":
             parts.append(_message_image(block.get("source"), where))
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+            calls.append({"id": block.get("id") or f"toolu_{len(messages)}_{len(calls)}",
+                          "type": "function", "function": {
+                              "name": _name(block, where),
+                              "arguments": json.dumps(block.get("input") or {})}})
         elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad(f"{where}: a tool_result block needs the tool_use_id it answers",
+                          f"{where}.content")
             # A tool's result is a turn of its own in chat, before the user's own words.
-            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                              "content": _result_text(block.get("content"))})
         elif kind in ("thinking", "redacted_thinking"):
             continue
@@ -221,7 +267,7 @@ def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None
             raise bad(f"{where}: blocks of type {str(kind)[:40]!r} are not supported by groups "
                       "(text, image, tool_use and tool_result are)", "messages")
     if role == "assistant":
-        text = "".join(p.get("text", "") for p in parts)
+        text = "".join(_text(p) for p in parts)
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             message["tool_calls"] = calls
@@ -244,7 +290,7 @@ def _message_image(source: Any, where: str) -> dict[str, Any]:
 
 def _result_text(content: Any) -> str:
     if isinstance(content, list):
-        return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+        return "".join(_text(b) for b in content)
     return content if isinstance(content, str) else json.dumps(content)
 
 
@@ -284,7 +330,7 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
         if role == "user" and isinstance(content, list):
             parts = [{"type": "input_image", "image_url": _image_url(p), "detail": "auto"}
                      if p.get("type") == "image_url" else
-                     {"type": "input_text", "text": p.get("text", "")}
+                     {"type": "input_text", "text": _text(p)}
                      for p in _chat_parts(content)]
             items.append({"type": "message", "role": "user", "content": parts})
         elif content:
@@ -318,7 +364,7 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
 
 def _text_of(content: Any) -> str:
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(_text(p) for p in content)
     return content if isinstance(content, str) else ""
 
 
@@ -377,7 +423,7 @@ def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
 
 def _message_block(part: dict[str, Any]) -> dict[str, Any]:
     if part.get("type") != "image_url":
-        return {"type": "text", "text": part.get("text", "")}
+        return {"type": "text", "text": _text(part)}
     url = _image_url(part)
     if url.startswith("data:") and ";base64," in url:
         media_type, _, data = url[5:].partition(";base64,")
@@ -394,9 +440,13 @@ def _arguments(raw: Any) -> Any:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def member_answer(api: str, data: dict[str, Any]) -> Answer:
-    """A member's whole answer in its family, as chat terms; KeyError/TypeError/IndexError
-    when it is not an answer of that family."""
+def member_answer(api: str, data: Any) -> Answer:
+    """A member's whole answer in its family, as chat terms, every field of the type the
+    group's writers and votes read (a text, calls whose arguments are JSON text, counts);
+    NotAnAnswer (a TypeError) when it is not an answer of that family. What a member wrote
+    is only ever data: its text is relayed inside the client's events, never parsed."""
+    if not isinstance(data, dict):
+        raise NotAnAnswer(f"its answer is a JSON {type(data).__name__}, not an object")
     if api == "responses":
         return _from_responses(data)
     if api == "messages":
@@ -404,27 +454,75 @@ def member_answer(api: str, data: dict[str, Any]) -> Answer:
     return _from_chat(data)
 
 
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise NotAnAnswer(f"its {what} is not a list")
+    return value
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise NotAnAnswer(f"its {what} is not an object")
+    return value
+
+
+def _string(value: Any, what: str, default: str = "") -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise NotAnAnswer(f"its {what} is not a string")
+    return value
+
+
+def _call(call_id: Any, name: Any, arguments: Any, n: int) -> dict[str, Any]:
+    """A tool call in chat's shape. Arguments given as an object (some servers do) become
+    the JSON text chat carries; a call without a name is no call a client could make."""
+    name = _string(name, "tool call's name")
+    if not name:
+        raise NotAnAnswer("it made a tool call without a name")
+    if not isinstance(arguments, str):
+        if arguments is not None and not isinstance(arguments, dict):
+            raise NotAnAnswer("its tool call's arguments are neither JSON text nor an object")
+        arguments = json.dumps(arguments or {})
+    return {"id": _string(call_id, "tool call's id") or f"call_{n}", "type": "function",
+            "function": {"name": name, "arguments": arguments or "{}"}}
+
+
+def _usage(data: dict[str, Any]) -> dict[str, Any]:
+    usage = data.get("usage")
+    return {} if usage is None else _object(usage, "usage")
+
+
 def _from_chat(data: dict[str, Any]) -> Answer:
-    choice = data["choices"][0]
-    message = choice["message"]
-    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    choice = _object(_list(data["choices"], "choices")[0], "choice")
+    message = _object(choice["message"], "message")
+    content = message.get("content")
+    text = _text_of(content) if isinstance(content, list) else _string(content, "content")
+    calls = [_call(c.get("id"), _object(c.get("function"), "tool call").get("name"),
+                   c["function"].get("arguments"), n)
+             for n, c in enumerate(_list(message.get("tool_calls") or [], "tool_calls"))
+             if _object(c, "tool call")]
     finish = choice.get("finish_reason") or "stop"
-    return Answer(message.get("content") or "", calls,
+    usage = _usage(data)
+    return Answer(text, calls,
                   "tool_calls" if calls else finish if finish in ("stop", "length") else "stop",
-                  data.get("usage"))
+                  chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+                  if usage else None)
 
 
 def _from_responses(data: dict[str, Any]) -> Answer:
     text: list[str] = []
     calls: list[dict[str, Any]] = []
-    for item in data["output"]:
-        if item.get("type") == "message":
-            text.extend(p.get("text", "") for p in item.get("content") or []
-                        if p.get("type") == "output_text")
-        elif item.get("type") == "function_call":
-            calls.append({"id": item.get("call_id"), "type": "function", "function": {
-                "name": item.get("name"), "arguments": item.get("arguments") or "{}"}})
-    usage = data.get("usage") or {}
+    for item in _list(data["output"], "output"):
+        kind = _object(item, "output item").get("type")
+        if kind == "message":
+            for part in _list(item.get("content") or [], "message's content"):
+                if _object(part, "content part").get("type") == "output_text":
+                    text.append(_string(part.get("text"), "output_text"))
+        elif kind == "function_call":
+            calls.append(_call(item.get("call_id"), item.get("name"), item.get("arguments"),
+                               len(calls)))
+    usage = _usage(data)
     cut = data.get("status") == "incomplete"
     return Answer("".join(text), calls,
                   "tool_calls" if calls else "length" if cut else "stop",
@@ -434,15 +532,18 @@ def _from_responses(data: dict[str, Any]) -> Answer:
 def _from_messages(data: dict[str, Any]) -> Answer:
     text: list[str] = []
     calls: list[dict[str, Any]] = []
-    for block in data["content"]:
-        if block.get("type") == "text":
-            text.append(block.get("text", ""))
-        elif block.get("type") == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
-    usage = data.get("usage") or {}
+    for block in _list(data["content"], "content"):
+        kind = _object(block, "content block").get("type")
+        if kind == "text":
+            text.append(_string(block.get("text"), "text block"))
+        elif kind == "tool_use":
+            tool_input = block.get("input")
+            if not isinstance(tool_input, dict):
+                raise NotAnAnswer("its tool_use input is not an object")
+            calls.append(_call(block.get("id"), block.get("name"), tool_input, len(calls)))
+    usage = _usage(data)
     stop = data.get("stop_reason")
-    prompt = sum(int(usage.get(k) or 0) for k in (
+    prompt = sum(_count(usage.get(k), k) for k in (
         "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
     return Answer("".join(text), calls,
                   "tool_calls" if calls else "length" if stop == "max_tokens" else "stop",
