@@ -127,18 +127,17 @@ def _response_part(part: dict[str, Any], where: str) -> None:
 
 def check_messages_api(body: dict[str, Any]) -> None:
     turns = body.get("messages")
-    if turns is not None:
-        if not isinstance(turns, list):
-            raise bad("'messages' must be a list of messages", "messages")
-        for n, turn in enumerate(turns):
-            where = f"messages[{n}]"
-            if not isinstance(turn, dict) or not _is(turn.get("role"), str):
-                raise bad(f"{where} must be an object with a string role", where)
-            content = turn.get("content")
-            if content is not None and not isinstance(content, str):
-                for m, block in enumerate(_objects(content, f"{where}.content",
-                                                   "a string or a list of content blocks")):
-                    _block(block, f"{where}.content[{m}]")
+    if not isinstance(turns, list):  # the one field Messages cannot do without
+        raise bad("'messages' must be a list of messages", "messages")
+    for n, turn in enumerate(turns):
+        where = f"messages[{n}]"
+        if not isinstance(turn, dict) or not _is(turn.get("role"), str):
+            raise bad(f"{where} must be an object with a string role", where)
+        content = turn.get("content")
+        if content is not None and not isinstance(content, str):
+            for m, block in enumerate(_objects(content, f"{where}.content",
+                                               "a string or a list of content blocks")):
+                _block(block, f"{where}.content[{m}]")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         for n, block in enumerate(_objects(system, "system", "a string or a list of text "
