@@ -84,10 +84,12 @@ def config(model: str, gate: Gate, tiny_ctx: int = 1024) -> dict[str, Any]:
         "api_keys": [USER_KEY], "admin_api_keys": [ADMIN_KEY],
         "shutdown_grace": 30,
         "defaults": {"ctx": 1024, "prompt_cache": False},
-        "policy": {"max_loaded": 3},
+        # kept is pinned: tiny and other take turns in the second place.
+        "policy": {"max_loaded": 2, "evict_timeout": 60},
         "models": {"tiny": {"model": model, "ctx": tiny_ctx, "binary": str(gate.binary)},
                    "kept": {"model": model},
-                   "other": {"model": model}},
+                   # Room for a stream that lasts while a test does its part.
+                   "other": {"model": model, "ctx": 32768}},
         "groups": {"core": {"models": ["kept"], "pinned": True}},
     }
 
@@ -131,11 +133,12 @@ def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-# -- an unload wins --------------------------------------------------------------------------------
+# -- an unload wins -------------------------------------------------------------------------------
 
 def test_an_unload_while_the_overrides_are_checked_wins(corral: Corral, gate: Gate):
     """The unload comes after the load was asked, while its KV type is being checked (the
     binary's --help): the model stays stopped, and the load says it was called off."""
+    corral.expect(allow="was unloaded while this load was under way")
     gate.close()
     thread, out = in_background(lambda: load(corral, "tiny", {"cache_type_k": "q8_0"}))
     gate.wait_asked()
@@ -153,6 +156,7 @@ def test_an_unload_during_a_restart_with_overrides_wins(corral: Corral):
     """A restart with new settings drains the old child (a stream holds it); a forced unload
     meanwhile stops everything, and the load answers 503 model_unloaded (not a 500, not a
     hang-up), the model stopped."""
+    corral.expect(allow="was unloaded while this load was under way")
     assert load(corral, "tiny").status_code == 200
     with corral.http.stream("POST", "/v1/chat/completions", json={
             "model": "tiny", "stream": True, "max_tokens": 100000, "ignore_eos": True,
@@ -173,7 +177,7 @@ def test_an_unload_during_a_restart_with_overrides_wins(corral: Corral):
     assert corral.model("tiny")["wish"] == "absent"
 
 
-# -- two loads --------------------------------------------------------------------------------------
+# -- two loads ------------------------------------------------------------------------------------
 
 def test_two_loads_with_different_settings_never_both_succeed(corral: Corral, gate: Gate):
     """Both are checked at once (their --help held, then let go together): whichever gets the
@@ -189,7 +193,7 @@ def test_two_loads_with_different_settings_never_both_succeed(corral: Corral, ga
     answers = [out[0] for _, out in runs]
     codes = sorted(a.status_code for a in answers)
     assert codes == [200, 409], [a.text for a in answers]
-    for body, answer in zip(asked, answers):
+    for body, answer in zip(asked, answers, strict=True):
         if answer.status_code == 200:
             assert answer.json()["overrides"] == body
             argv = argv_of(answer.json()["pid"])
@@ -199,7 +203,33 @@ def test_two_loads_with_different_settings_never_both_succeed(corral: Corral, ga
             assert answer.json()["error"]["code"] == "settings_differ"
 
 
-# -- a stream in flight -----------------------------------------------------------------------------
+def test_a_second_load_while_the_first_waits_for_room_is_refused(corral: Corral):
+    """The first load has claimed the model but waits for room (other serves a stream, and
+    max_loaded is reached), so no child of tiny is starting yet: a load with other settings
+    is a 409, not a 200 that takes over the first one's start."""
+    assert load(corral, "other").status_code == 200
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": "other", "stream": True, "max_tokens": 100000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
+        next(line for line in lines if line.startswith("data:"))
+        thread, out = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
+        wait_until(lambda: corral.model("tiny")["queue"] > 0)
+        assert corral.model("tiny")["state"] == "stopped"
+        second = load(corral, "tiny", {"ctx": 4096})
+        assert second.status_code == 409, second.text
+        assert second.json()["error"]["code"] == "settings_differ"
+        same = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
+    # The stream's client hung up: other is idle, evicted, and tiny starts.
+    thread.join(60)
+    same[0].join(60)
+    for answer in (out[0], same[1][0]):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["overrides"] == {"ctx": 2048}
+    assert flag(argv_of(corral.model("tiny")["pid"]), "--ctx-size") == "2048"
+
+
+# -- a stream in flight ---------------------------------------------------------------------------
 
 def test_a_restart_with_overrides_drains_a_stream_in_flight(corral: Corral):
     assert load(corral, "tiny").status_code == 200
@@ -239,7 +269,7 @@ def test_parallel_override_queues_requests_beyond_its_slots(corral: Corral):
     assert [out[0] for _, out in runs] == [200] * 6
 
 
-# -- crashes and reloads ----------------------------------------------------------------------------
+# -- crashes and reloads --------------------------------------------------------------------------
 
 def test_a_pinned_model_that_crashes_comes_back_with_its_config(corral: Corral):
     """Overrides are the settings of the start their load made: keep-up's restart runs the
@@ -274,7 +304,7 @@ def test_a_reload_keeps_overrides_unless_it_changes_the_model(setup: tuple[Corra
     try:
         # Another model changes: tiny's child runs on with its overrides.
         changed = config(model, gate)
-        changed["models"]["other"]["ctx"] = 512
+        changed["models"]["other"]["ctx"] = 16384
         reload_with(corral, changed)
         shown = corral.model("tiny")
         assert (shown["pid"], shown["overrides"], shown["ctx"]) == (pid, {"ctx": 2048}, 2048)
@@ -289,7 +319,7 @@ def test_a_reload_keeps_overrides_unless_it_changes_the_model(setup: tuple[Corra
         reload_with(corral, config(model, gate))
 
 
-# -- who may ask, and how ---------------------------------------------------------------------------
+# -- who may ask, and how -------------------------------------------------------------------------
 
 def test_a_user_key_or_another_origin_may_not_load_with_overrides(corral: Corral):
     as_user = corral.http.post("/admin/models/tiny/load", json={"ctx": 2048},
@@ -342,3 +372,4 @@ def test_the_cli_passes_overrides_to_a_running_daemon(corral: Corral):
     bad = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "load", "--ctx", "0",
                           "tiny"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "ctx" in bad.stderr + bad.stdout
+

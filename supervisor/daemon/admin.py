@@ -41,7 +41,12 @@ class Admin:
         (SettingsDiffer) unless `restart`, which drains and restarts it with them."""
         model = self._herd.model(name)
         spec = model.spec
+        # An unload from now on wins, even one that comes while the check below runs (it
+        # reads the GGUF header and asks the binary): the load must not undo it.
+        unloads = model.primary.unloads
         checked = await asyncio.to_thread(check_overrides, spec, overrides or {})
+        _refuse_if_unloaded(model, unloads)
+        # From here to the claim below no await: two loads cannot both find the model free.
         up = [r for r in model.members if r.state in (State.STARTING, State.READY)]
         if up and not restart:
             differs = running_differs(checked.apply(spec), up[0].started_with) \
@@ -51,31 +56,45 @@ class Admin:
                     f"{model.name} runs with other settings ({', '.join(differs)}: "
                     + ", ".join(f"{f} {getattr(up[0].started_with, f)}" for f in differs)
                     + "); load it again with \"restart\": true to restart it with these")
-        work = self._restart(model, checked) if up and restart else \
-            self._load_with(model, checked)
+        pending = model.overrides
+        if checked and pending and pending != checked:
+            # Another load's overrides are under way (its child may not be STARTING yet):
+            # the first one asked wins; this one would get a 200 over settings not its own.
+            raise SettingsDiffer(
+                f"{model.name} is being loaded with other settings ({_said(pending)}); "
+                f"load it again once that load is done, with \"restart\": true")
+        if checked:
+            model.overrides = checked  # claimed now: a start from here on runs them
+        work = self._restart(model, checked, unloads) if up and restart else \
+            self._load_with(model, checked, unloads)
         await self._tasks.run(work, f"load:{model.name}")
         return model.name
 
-    async def _load_with(self, model: Model, overrides: Overrides) -> None:
-        model.overrides = overrides
+    async def _load_with(self, model: Model, overrides: Overrides, unloads: int) -> None:
         try:
+            _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)
         finally:
-            if model.overrides is overrides:
+            if overrides and model.overrides is overrides:
                 model.overrides = Overrides()
 
-    async def _restart(self, model: Model, overrides: Overrides) -> None:
-        """Drain and restart in place (requests wait for it, none fail), with `overrides`."""
-        model.want()
-        model.overrides = overrides
+    async def _restart(self, model: Model, overrides: Overrides, unloads: int) -> None:
+        """Drain and restart in place (requests wait for it, none fail), with `overrides`.
+        An unload meanwhile cancels the restart and wins: the load says so (Unloaded)."""
         try:
+            _refuse_if_unloaded(model, unloads)
+            model.want()
+            model.overrides = overrides
             try:
                 model.restart("restarted by an admin load with new settings")
             except OperationRefused as exc:
                 raise InUse(f"{model.name} is busy with another change: {exc}") from None
             task = model.operation_task
             if task is not None:
-                await asyncio.shield(task)
+                # Not shield(task): an unload cancels the restart, and its cancellation must
+                # not become this load's (its caller would get no answer at all).
+                await asyncio.wait([task])
+            _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)  # raises what the restart hit
         finally:
             if model.overrides is overrides:
@@ -155,3 +174,12 @@ class Admin:
             await self.rebalance(name)
         except SupervisorError as exc:  # the next request tries again
             log.warning("daemon.rebalance_failed", model=name, error=str(exc))
+
+
+def _refuse_if_unloaded(model: Model, seen: int) -> None:
+    if model.primary.unloads != seen:
+        raise Unloaded(f"{model.name} was unloaded while this load was under way")
+
+
+def _said(overrides: Overrides) -> str:
+    return ", ".join(f"{f} {v}" for f, v in overrides.values)
