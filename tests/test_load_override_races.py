@@ -373,3 +373,52 @@ def test_the_cli_passes_overrides_to_a_running_daemon(corral: Corral):
                           "tiny"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "ctx" in bad.stderr + bad.stdout
 
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
+
+
+def test_a_ctx_that_cannot_fit_is_refused_before_anything_is_evicted(
+        start_corral: CorralFactory, tmp_path: Path) -> None:
+    """The GPU holds two children at the config's ctx but not one at the asked ctx, even
+    alone: the load is a 503 that says what it needs, and the idle model on the GPU stays."""
+    from fake_gpu import write as write_gpu
+
+    from corral.supervisor.memory.estimate import estimate, model_facts
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf", 1, n_head=2)
+
+    def gpu0_mib(ctx: int) -> float:
+        est = estimate(model_facts(model), ctx=ctx, parallel=1, n_gpu_layers=-1,
+                       cache_type_k="f16", cache_type_v="f16", gpus=["gpu0"])
+        return est.devices["gpu0"] / (1024 * 1024)
+
+    small, big = gpu0_mib(1024), gpu0_mib(262144)
+    total = (2 * small + 100) * 100 / 85
+    assert big > total > total * 0.85 > 2 * small
+    gpu = tmp_path / "gpu.json"
+    write_gpu(gpu, total_mb=total, others_mb=0, per_child_mb=10)
+    corral = start_corral({
+        "defaults": {"ctx": 1024, "prompt_cache": False},
+        "policy": {"max_loaded": 4, "evict_timeout": 2},
+        "memory": {"interval": 0.2, "reserve_mb": 0, "low_watermark": 85,
+                   "critical_watermark": 95, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
+                   "gpu_reader_options": {"path": str(gpu)}},
+        "models": {"tiny": {"model": str(model), "load_overrides": {"max_ctx": 262144}},
+                   "other": {"model": str(model)}},
+    })
+    corral.expect(allow="cannot start tiny")
+    assert load(corral, "other").status_code == 200
+    other = corral.model("other")["pid"]
+    answer = load(corral, "tiny", {"ctx": 262144})
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "no_capacity" and "gpu0" in error["message"], error
+    assert corral.model("other")["pid"] == other and corral.model("other")["state"] == "ready"
+    assert corral.model("tiny")["state"] == "stopped"
+    assert not [e for e in corral.log_events("instance.stop") if e.get("model") == "other"]
+    # At the config's ctx it fits beside other.
+    assert load(corral, "tiny").status_code == 200
+    assert corral.model("other")["pid"] == other
