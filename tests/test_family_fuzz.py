@@ -12,16 +12,19 @@ member's words that look like corral's own events reach the client as words."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
+import psutil
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import Corral, tiny_config
+from conftest import Corral, tiny_config, wait_until
 
 FAKE = Path(__file__).parent / "family_upstream.py"
 SCRIPTED = Path(__file__).parent / "scripted_member.py"
@@ -69,6 +72,9 @@ def corral(start_corral_module, tiny_models, tmp_path_factory) -> Corral:
         "fam": {"type": "parallel", "models": members, "expose_as_model": True},
         "hostile": {"type": "parallel", "models": ["steady", *members],
                     "fallback": "partial", "member_timeout": 4, "expose_as_model": True},
+        # Members a client gives up on (they never answer "hostile:endless").
+        "stuck": {"type": "parallel", "models": ["steady", "fam-resp", "fam-msg"],
+                  "member_timeout": 120, "expose_as_model": True},
         # Members that speak Responses and Messages, one chosen: its text and tool calls.
         "mirror": {"type": "fan_out", "models": ["fam-resp", "fam-msg"],
                    "selector": "first_ok", "expose_as_model": True},
@@ -333,6 +339,49 @@ def test_the_openai_sdks_stream_helper_reads_a_group(corral: Corral) -> None:
     done = [e for e in events if e.type == "response.output_item.done"]
     assert [e.output_index for e in done] == list(range(len(final.output)))
     assert all(isinstance(c.call_id, str) and c.call_id for c in calls)
-    for event in events:
-        if hasattr(event, "item_id") and event.item_id:
-            assert event.item_id in {i.id for i in final.output}, event
+    for each in events:
+        if getattr(each, "item_id", None):
+            assert each.item_id in {i.id for i in final.output}, each
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("family", ["responses", "messages"])
+def test_a_client_that_hangs_up_mid_group_leaves_no_member_running(
+        corral: Corral, family: str, stream: bool) -> None:
+    """Its members' requests are dropped (each child sees its connection closed), their
+    leases go back at once, and the request is recorded once, under the group."""
+    body: dict[str, Any] = {"model": "stuck", "stream": stream, "max_tokens": 8}
+    if family == "responses":
+        body["input"] = "hostile:endless"
+    else:
+        body["messages"] = [{"role": "user", "content": "hostile:endless"}]
+    members = ("fam-resp", "fam-msg")
+
+    def asked() -> int:  # member requests the children hold open (corral's side is open)
+        return sum(c.status == psutil.CONN_ESTABLISHED and bool(c.raddr)
+                   for m in members
+                   for c in psutil.Process(corral.model(m)["pid"]).net_connections("tcp"))
+
+    def in_flight() -> int:
+        models = corral.models()
+        return sum(models[m]["in_flight"] for m in members)
+
+    since = time.time()
+    busy: list[int] = []
+    watcher = threading.Thread(target=lambda: busy.append(
+        wait_until(lambda: in_flight() == 2 and asked() >= 2, timeout=10)))
+    watcher.start()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
+        corral.http.post(PATHS[family], json=body, timeout=httpx.Timeout(60, read=2))
+    watcher.join()
+    assert busy, "the members were never asked"
+    wait_until(lambda: in_flight() == 0, timeout=10)
+    wait_until(lambda: asked() == 0, timeout=10)
+
+    def recorded() -> list[dict[str, Any]]:
+        requests = corral.http.get("/admin/requests?limit=1000").json()["requests"]
+        return [r for r in requests if r["time"] >= since and r["endpoint"] == PATHS[family]]
+
+    records = wait_until(recorded, timeout=10)
+    assert [r["model"] for r in records] == ["stuck"], records
+    assert records[0]["status"] == 499, records
