@@ -15,6 +15,7 @@ from corral.proxy.errors import ApiError, method_not_allowed
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
 from corral.proxy.validate import parse_json_object, require_json
 from corral.supervisor.config import GroupSpec
+from corral.supervisor.model.overrides import FIELDS as LOAD_FIELDS
 from corral.supervisor.port import ModelStatus, State, Supervisor
 
 # corral's states in llama.cpp router's words. A failed model is "unloaded" with `failed`:
@@ -85,7 +86,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
 
     async def load(request: web.Request) -> web.Response:
         daemon = request.app[key]
-        for name in await _named(request, daemon):
+        for name in await _named(request, daemon, refuse=LOAD_FIELDS):
             daemon.load_soon(name)
         return web.json_response({"success": True})
 
@@ -108,15 +109,22 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     app.router.add_post("/models/unload", unload)
 
 
-async def _named(request: web.Request, daemon: Supervisor) -> list[str]:
+async def _named(request: web.Request, daemon: Supervisor,
+                 refuse: tuple[str, ...] = ()) -> list[str]:
     """The models a load/unload body names: `{"model": name}` (a model, an alias, or a group
-    exposed as a model: its members)."""
+    exposed as a model: its members). A field of `refuse` is a 400: an admin load's override
+    here would be ignored, and the issue's rule is that none is ever ignored silently."""
     require_json(request)
     body = parse_json_object(await request.read())
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise ApiError(400, "the 'model' field is required (an id from GET /models)",
                        "missing_model", param="model")
+    for field in refuse:
+        if field in body:
+            raise ApiError(400, f"{request.path} loads a model as configured: '{field}' is a "
+                           f"load override, which only an admin load takes (POST "
+                           f"/admin/models/{name}/load)", "invalid_override", param=field)
     target = resolve(daemon, name)
     if isinstance(target, GroupTarget):
         return list(target.group.models)

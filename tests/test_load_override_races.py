@@ -232,22 +232,28 @@ def test_a_second_load_while_the_first_waits_for_room_is_refused(corral: Corral)
 # -- a stream in flight ---------------------------------------------------------------------------
 
 def test_a_restart_with_overrides_drains_a_stream_in_flight(corral: Corral):
-    assert load(corral, "tiny").status_code == 200
-    old = corral.model("tiny")["pid"]
+    """The restart begins while a long stream runs on the old child: the child lives on
+    until the stream has ended whole (every token, [DONE], no error), then the new one
+    starts with the asked settings."""
+    assert load(corral, "other").status_code == 200
+    old = corral.model("other")["pid"]
+    tokens = 3000
     with corral.http.stream("POST", "/v1/chat/completions", json={
-            "model": "tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
+            "model": "other", "stream": True, "max_tokens": tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hi"}]}) as stream:
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         thread, out = in_background(
-            lambda: load(corral, "tiny", {"ctx": 2048, "restart": True}))
-        wait_until(lambda: corral.model("tiny")["model_state"] == "restarting")
-        rest = [first, *(line for line in lines if line.startswith("data:"))]
+            lambda: load(corral, "other", {"ctx": 2048, "restart": True}))
+        wait_until(lambda: corral.model("other")["model_state"] == "restarting")
+        assert Path(f"/proc/{old}").exists()  # draining, not cut
+        after = [line for line in lines if line.startswith("data:")]
     thread.join(60)
-    assert rest[-1] == "data: [DONE]"
-    events = [json.loads(line[5:]) for line in rest[:-1]]
+    assert len(after) > 1 and after[-1] == "data: [DONE]"
+    events = [json.loads(line[5:]) for line in (first, *after[:-1])]
     assert not any("error" in e for e in events)
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [tokens]
     answer = out[0]
     assert answer.status_code == 200, answer.text
     shown = answer.json()
@@ -422,3 +428,18 @@ def test_a_ctx_that_cannot_fit_is_refused_before_anything_is_evicted(
     # At the config's ctx it fits beside other.
     assert load(corral, "tiny").status_code == 200
     assert corral.model("other")["pid"] == other
+
+
+def test_the_router_shaped_load_does_not_ignore_overrides(corral: Corral):
+    """POST /models/load (llama.cpp's router shape, open to user keys) takes no overrides:
+    a body with one is a 400 naming it, not a 200 that loads the config's settings."""
+    for key in (USER_KEY, ADMIN_KEY):
+        answer = corral.http.post("/models/load", json={"model": "tiny", "ctx": 4096},
+                                  headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "ctx" and "/admin/models/tiny/load" in error["message"]
+    assert corral.model("tiny")["state"] == "stopped"
+    plain = corral.http.post("/models/load", json={"model": "tiny"})
+    assert plain.status_code == 200, plain.text
+    wait_until(lambda: corral.model("tiny")["state"] == "ready", timeout=30)
