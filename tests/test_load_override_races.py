@@ -45,6 +45,8 @@ class Gate:
         self.folder = folder
         self.block = folder / "block"
         self.asked = folder / "asked"
+        self.start_block = folder / "start-block"  # held the same way: a child's start
+        self.started = folder / "started"
         self.binary = folder / "llama-server"
         self._version = 0
         self._write()
@@ -57,6 +59,9 @@ class Gate:
             f"if [ \"$1\" = --help ] && [ -e {self.block} ]; then\n"
             f"  touch {self.asked}\n"
             f"  while [ -e {self.block} ]; do sleep 0.02; done\n"
+            f"elif [ \"$1\" != --help ] && [ -e {self.start_block} ]; then\n"
+            f"  touch {self.started}\n"
+            f"  while [ -e {self.start_block} ]; do sleep 0.02; done\n"
             f"fi\nexec {real} \"$@\"\n")
         self.binary.chmod(0o755)
 
@@ -72,6 +77,11 @@ class Gate:
 
     def open(self) -> None:
         self.block.unlink(missing_ok=True)
+        self.start_block.unlink(missing_ok=True)
+
+    def hold_starts(self) -> None:
+        self.started.unlink(missing_ok=True)
+        self.start_block.touch()
 
 
 @pytest.fixture(scope="module")
@@ -443,3 +453,65 @@ def test_the_router_shaped_load_does_not_ignore_overrides(corral: Corral):
     plain = corral.http.post("/models/load", json={"model": "tiny"})
     assert plain.status_code == 200, plain.text
     wait_until(lambda: corral.model("tiny")["state"] == "ready", timeout=30)
+
+
+
+def test_a_restart_during_a_reloads_switch_over_keeps_the_new_config(
+        start_corral: CorralFactory, tmp_path: Path, gate: Gate) -> None:
+    """A reload changes tiny's ctx: its new child starts beside the old one (blue/green) and
+    is held starting. An admin load with restart: true meanwhile replaces the switch-over;
+    the child it starts must run the new config (with the load's overrides), and so must
+    every later start: the reload is not undone."""
+    model = str(write_tiny_llama(tmp_path / "tiny.gguf", 1, n_head=2))
+
+    def cfg(ctx: int) -> dict[str, Any]:
+        return {"defaults": {"prompt_cache": False}, "policy": {"max_loaded": 4},
+                "models": {"tiny": {"model": model, "ctx": ctx, "binary": str(gate.binary)}}}
+    corral = start_corral(cfg(1024))
+    corral.expect(allow=["superseded", "switch"])
+    old = load(corral, "tiny").json()["pid"]
+    gate.hold_starts()
+    try:
+        reload_with(corral, cfg(512))
+        wait_until(gate.started.exists, timeout=20)
+        assert corral.model("tiny")["model_state"] == "switching"
+        thread, out = in_background(lambda: load(corral, "tiny",
+                                                 {"parallel": 2, "restart": True}))
+        wait_until(lambda: corral.model("tiny")["model_state"] != "switching", timeout=20)
+    finally:
+        gate.open()
+    thread.join(60)
+    answer = out[0]
+    assert answer.status_code == 200, answer.text
+    shown = answer.json()
+    assert shown["pid"] != old and shown["overrides"] == {"parallel": 2}
+    argv = argv_of(shown["pid"])
+    assert (flag(argv, "--ctx-size"), flag(argv, "--parallel")) == ("512", "2")
+    # And the next start, without overrides: the reloaded config still.
+    assert corral.http.post("/admin/models/tiny/unload").status_code == 200
+    again = load(corral, "tiny").json()
+    assert flag(argv_of(again["pid"]), "--ctx-size") == "512" and again["ctx"] == 512
+
+
+def test_an_unload_during_a_reloads_switch_over_keeps_the_new_config(
+        start_corral: CorralFactory, tmp_path: Path, gate: Gate) -> None:
+    """The same switch-over, dropped by an unload: the next load runs the reloaded config."""
+    model = str(write_tiny_llama(tmp_path / "tiny.gguf", 1, n_head=2))
+
+    def cfg(ctx: int) -> dict[str, Any]:
+        return {"defaults": {"prompt_cache": False}, "policy": {"max_loaded": 4},
+                "models": {"tiny": {"model": model, "ctx": ctx, "binary": str(gate.binary)}}}
+    corral = start_corral(cfg(1024))
+    corral.expect(allow=["superseded", "switch", "unloaded"])
+    assert load(corral, "tiny").status_code == 200
+    gate.hold_starts()
+    try:
+        reload_with(corral, cfg(512))
+        wait_until(gate.started.exists, timeout=20)
+        assert corral.model("tiny")["model_state"] == "switching"
+        assert corral.http.post("/admin/models/tiny/unload").status_code == 200
+    finally:
+        gate.open()
+    wait_until(lambda: corral.model("tiny")["state"] == "stopped")
+    again = load(corral, "tiny").json()
+    assert flag(argv_of(again["pid"]), "--ctx-size") == "512" and again["ctx"] == 512

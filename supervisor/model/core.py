@@ -226,6 +226,7 @@ class Model:
         if incoming is not None:
             incoming.begin_stop("its model was unloaded", cause=cause)
             self._host.retire(incoming, "its model was unloaded")
+            self._adopt(incoming)
         stops = []
         for replica in self.members:
             task = replica.begin_stop(reason, drain=drain, cause=cause)
@@ -283,6 +284,16 @@ class Model:
             if replica.state in LOADED_STATES:
                 replica.begin_stop(why, drain=drain, cause=cause)
         self._begin(kind, self._restart(start_after or self.kept))
+        if self.incoming is not None:  # the switch-over just cancelled (its finally stops it)
+            self._adopt(self.incoming)
+
+    def _adopt(self, incoming: Instance) -> None:
+        """A switch-over dropped by an unload or an admin restart (not by a newer config):
+        its new child carried the config as it is now, so the child that stays takes those
+        settings for its next start; else that start would run the config before the reload,
+        and the reload would be undone."""
+        if self._host.configured(self) and self.primary.spec is not incoming.spec:
+            self.primary.reconfigure(incoming.spec, incoming.backend)
 
     async def _restart(self, start_after: bool) -> None:
         stops = [task for m in self.members if (task := m.stop_task) is not None]
