@@ -142,3 +142,36 @@ def test_the_reason_says_what_did_not_fit_and_beside_what() -> None:
     level, reason = Generic().auto_choice(snap([auto], memory(budget=100)), auto)
     assert level == 2 and reason.startswith("no step fits: f16/f16 needs 1000 MiB")
     assert reason.endswith("the last, q4_0/q4_0")
+
+
+def test_auto_counts_a_load_overrides_ctx(start_corral: CorralFactory, kv_model: Path,
+                                          tmp_path: Path) -> None:
+    """An admin load's ctx is what auto must fit: the config's ctx runs at f16, a load with
+    twice that ctx at the step that fits it (f16 would not), not a 503."""
+    big = 2 * AUTO_CTX
+    f16, q8, big_f16, big_q8 = (gpu0_mib(kv_model, c, t) for c, t in (
+        (AUTO_CTX, "f16"), (AUTO_CTX, "q8_0"), (big, "f16"), (big, "q8_0")))
+    room = (f16 + big_f16) / 2
+    assert q8 < big_q8 < f16 < room < big_f16
+    gpu = tmp_path / "gpu.json"
+    write_gpu(gpu, total_mb=room * 100 / LOW_WATERMARK, others_mb=0, per_child_mb=100)
+    corral = start_corral({
+        "defaults": {"ttl": 300, "stop_grace": 5},
+        "memory": {"interval": 0.2, "reserve_mb": 0, "low_watermark": LOW_WATERMARK,
+                   "critical_watermark": 95, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
+                   "gpu_reader_options": {"path": str(gpu)}},
+        "models": {"auto": {"model": str(kv_model), "ctx": AUTO_CTX,
+                            "kv_cache": {"mode": "auto", "ladder": ["f16", "q8_0", "q4_0"]},
+                            "load_overrides": {"max_ctx": big}}},
+    })
+    plain = corral.http.post("/admin/models/auto/load")
+    assert plain.status_code == 200, plain.text
+    assert cmdline(plain.json()["pid"])[cmdline(plain.json()["pid"]).index(
+        "--cache-type-k") + 1] == "f16"
+    bigger = corral.http.post("/admin/models/auto/load", json={"ctx": big, "restart": True})
+    assert bigger.status_code == 200, bigger.text
+    argv = cmdline(bigger.json()["pid"])
+    assert argv[argv.index("--ctx-size") + 1] == str(big)
+    assert argv[argv.index("--cache-type-k") + 1] == "q8_0", argv
+    chosen = [e for e in corral.log_events("daemon.kv_cache_chosen") if e["model"] == "auto"]
+    assert [e["kv"] for e in chosen] == ["f16/f16", "q8_0/q8_0"], chosen
