@@ -515,3 +515,33 @@ def test_an_unload_during_a_reloads_switch_over_keeps_the_new_config(
     wait_until(lambda: corral.model("tiny")["state"] == "stopped")
     again = load(corral, "tiny").json()
     assert flag(argv_of(again["pid"]), "--ctx-size") == "512" and again["ctx"] == 512
+
+
+@pytest.mark.expect_log("instance.health_failed")
+def test_replicas_run_the_same_settings(start_corral: CorralFactory, tmp_path: Path,
+                                        gate: Gate) -> None:
+    """A model with two replicas loaded with overrides: both children run them, and one that
+    dies is replaced with them while its sibling still runs them (never a model whose
+    replicas answer with different contexts)."""
+    model = str(write_tiny_llama(tmp_path / "tiny.gguf", 1, n_head=2))
+    corral = start_corral({"defaults": {"prompt_cache": False, "ctx": 1024},
+                           "models": {"tiny": {"model": model, "replicas": 2}}})
+    corral.expect(allow=["tiny#2"])
+    answer = load(corral, "tiny", {"ctx": 2048})
+    assert answer.status_code == 200, answer.text
+
+    def replicas() -> dict[str, dict[str, Any]]:
+        rows = corral.http.get("/admin/models").json()["models"]
+        return {m["name"]: m for m in rows if m["name"].startswith("tiny")}
+    wait_until(lambda: [m["state"] for m in replicas().values()] == ["ready", "ready"],
+               timeout=30)
+    assert [m["ctx"] for m in replicas().values()] == [2048, 2048]
+    second = replicas()["tiny#2"]["pid"]
+    os.kill(second, signal.SIGKILL)
+    wait_until(lambda: replicas()["tiny#2"]["pid"] != second, timeout=30)
+    # The next request replaces it (replicas.min): with the overrides its sibling runs.
+    assert corral.chat("tiny", max_tokens=2).status_code == 200
+    wait_until(lambda: replicas()["tiny#2"]["state"] == "ready", timeout=30)
+    shown = replicas()["tiny#2"]
+    assert (shown["ctx"], shown["overrides"]) == (2048, {"ctx": 2048})
+    assert flag(argv_of(shown["pid"]), "--ctx-size") == "2048"

@@ -171,7 +171,7 @@ class Planner:
             choice = None
 
         rs = self._herd.models.get(inst.model)
-        overrides = rs.overrides if rs is not None and rs.holds(inst) else Overrides()
+        overrides = rs.start_overrides() if rs is not None and rs.holds(inst) else Overrides()
 
         def tune(spec: ModelSpec) -> ModelSpec:
             return self.tune(self.placed(overrides.apply(spec), choice, env=True))

@@ -154,8 +154,20 @@ class Model:
 
     def for_start(self, spec: ModelSpec) -> ModelSpec:
         """The spec a start of one of its children runs now: the config, with the overrides
-        of the load under way."""
-        return self.overrides.apply(spec)
+        in force (start_overrides)."""
+        return self.start_overrides().apply(spec)
+
+    def start_overrides(self) -> Overrides:
+        """The overrides a child started now takes: the load's under way; else those a
+        sibling that starts or serves runs with, so one model's replicas never run different
+        settings (a replica replaced, or added by autoscaling); else none. A child stopping
+        does not count: a restart, a crash of the last child, a KV step run the config."""
+        if self.overrides:
+            return self.overrides
+        for replica in self.members:
+            if replica.state in (State.STARTING, State.READY) and replica.started_with.overrides:
+                return Overrides(replica.started_with.overrides)
+        return Overrides()
 
     @property
     def operation_task(self) -> asyncio.Task[None] | None:
