@@ -239,6 +239,30 @@ def test_a_second_load_while_the_first_waits_for_room_is_refused(corral: Corral)
     assert flag(argv_of(corral.model("tiny")["pid"]), "--ctx-size") == "2048"
 
 
+def test_an_unload_while_the_load_waits_for_room_wins_and_ends_its_claim(corral: Corral):
+    """The load with overrides waits for room (other serves a stream); an unload of tiny
+    meanwhile: the load answers 503 model_unloaded, and its overrides are no one's: the next
+    plain load runs the config."""
+    corral.expect(allow="was unloaded while")
+    assert load(corral, "other").status_code == 200
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": "other", "stream": True, "max_tokens": 100000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
+        next(line for line in lines if line.startswith("data:"))
+        thread, out = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
+        wait_until(lambda: corral.model("tiny")["queue"] > 0)
+        assert corral.http.post("/admin/models/tiny/unload").status_code == 200
+        thread.join(60)
+    answer = out[0]
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_unloaded"
+    assert corral.model("tiny")["state"] == "stopped"
+    plain = load(corral, "tiny")
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["overrides"] is None and plain.json()["ctx"] == 1024
+
+
 # -- a stream in flight ---------------------------------------------------------------------------
 
 def test_a_restart_with_overrides_drains_a_stream_in_flight(corral: Corral):
