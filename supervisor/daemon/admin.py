@@ -63,8 +63,10 @@ class Admin:
             raise SettingsDiffer(
                 f"{model.name} is being loaded with other settings ({_said(pending)}); "
                 f"load it again once that load is done, with \"restart\": true")
-        if checked:
-            model.overrides = checked  # claimed now: a start from here on runs them
+        if checked and not pending:
+            # Claimed now: a start from here on runs them. A load asking the same joins the
+            # claim without owning it: only the load that claimed it ends it.
+            model.overrides = checked
         work = self._restart(model, checked, unloads) if up and restart else \
             self._load_with(model, checked, unloads)
         await self._tasks.run(work, f"load:{model.name}")
