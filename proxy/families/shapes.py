@@ -93,9 +93,12 @@ def check_responses(body: dict[str, Any]) -> None:
 def _response_item(item: dict[str, Any], where: str) -> None:
     kind = item.get("type", "message")
     if kind == "message":
-        _need(item, "role", str, where, "a string")
+        _need(item, "role", str, where, "a string", required=True)
         content = item.get("content")
-        if content is not None and not isinstance(content, str):
+        if content is None:
+            raise bad(f"{where}.content must be a string or a list of content parts",
+                      f"{where}.content")
+        if not isinstance(content, str):
             for n, part in enumerate(_objects(content, f"{where}.content",
                                               "a string or a list of content parts")):
                 _response_part(part, f"{where}.content[{n}]")
@@ -106,7 +109,10 @@ def _response_item(item: dict[str, Any], where: str) -> None:
     elif kind == "function_call_output":
         _need(item, "call_id", str, where, "a string", required=True)
         output = item.get("output")
-        if output is not None and not isinstance(output, str):
+        if output is None:
+            raise bad(f"{where}.output must be a string or a list of content parts",
+                      f"{where}.output")
+        if not isinstance(output, str):
             for n, part in enumerate(_objects(output, f"{where}.output",
                                               "a string or a list of content parts")):
                 _response_part(part, f"{where}.output[{n}]")
@@ -117,7 +123,7 @@ def _response_item(item: dict[str, Any], where: str) -> None:
 def _response_part(part: dict[str, Any], where: str) -> None:
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text"):
-        _need(part, "text", str, where, "a string")
+        _need(part, "text", str, where, "a string", required=True)
     elif kind == "input_image":
         _need(part, "image_url", str, where, "a string (a URL or a data: URL)")
         _need(part, "detail", str, where, "a string")
@@ -134,7 +140,10 @@ def check_messages_api(body: dict[str, Any]) -> None:
         if not isinstance(turn, dict) or not _is(turn.get("role"), str):
             raise bad(f"{where} must be an object with a string role", where)
         content = turn.get("content")
-        if content is not None and not isinstance(content, str):
+        if content is None:
+            raise bad(f"{where}.content must be a string or a list of content blocks",
+                      f"{where}.content")
+        if not isinstance(content, str):
             for m, block in enumerate(_objects(content, f"{where}.content",
                                                "a string or a list of content blocks")):
                 _block(block, f"{where}.content[{m}]")
@@ -162,7 +171,7 @@ def check_messages_api(body: dict[str, Any]) -> None:
 def _block(block: dict[str, Any], where: str) -> None:
     kind = block.get("type")
     if kind == "text":
-        _need(block, "text", str, where, "a string")
+        _need(block, "text", str, where, "a string", required=True)
     elif kind == "image":
         source = block.get("source")
         if not isinstance(source, dict) or not _is(source.get("type"), str):
