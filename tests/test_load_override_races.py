@@ -98,6 +98,8 @@ def config(model: str, gate: Gate, tiny_ctx: int = 1024) -> dict[str, Any]:
         "policy": {"max_loaded": 2, "evict_timeout": 60},
         "models": {"tiny": {"model": model, "ctx": tiny_ctx, "binary": str(gate.binary)},
                    "kept": {"model": model},
+                   "drafty": {"model": model, "binary": str(gate.binary),
+                              "args": ["--model-draft", model]},
                    # Room for a stream that lasts while a test does its part.
                    "other": {"model": model, "ctx": 32768}},
         "groups": {"core": {"models": ["kept"], "pinned": True}},
@@ -119,7 +121,7 @@ def corral(setup: tuple[Corral, str], gate: Gate) -> Any:
     corral = setup[0]
     yield corral
     gate.open()
-    for name in ("tiny", "other"):
+    for name in ("tiny", "other", "drafty"):
         corral.http.post(f"/admin/models/{name}/unload?force=1")
         wait_until(lambda n=name: corral.model(n)["state"] == "stopped", timeout=30)
 
@@ -261,6 +263,25 @@ def test_an_unload_while_the_load_waits_for_room_wins_and_ends_its_claim(corral:
     plain = load(corral, "tiny")
     assert plain.status_code == 200, plain.text
     assert plain.json()["overrides"] is None and plain.json()["ctx"] == 1024
+
+
+def test_a_draft_override_start_does_not_block_the_daemon(corral: Corral, gate: Gate):
+    """Which flag a draft setting takes is asked of the binary's --help: that must not run on
+    the daemon's event loop (a slow --help would stall every request). The wrapper holds its
+    --help; meanwhile the daemon answers."""
+    gate.close()
+    thread, out = in_background(lambda: load(corral, "drafty", {"draft_max": 2}))
+    gate.wait_asked()
+    try:
+        health = corral.http.get("/health", timeout=5)
+        assert health.status_code == 200
+    finally:
+        gate.open()
+    thread.join(60)
+    answer = out[0]
+    assert answer.status_code == 200, answer.text
+    argv = argv_of(answer.json()["pid"])
+    assert "2" in (flag(argv, "--spec-draft-n-max"), flag(argv, "--draft-max"))
 
 
 # -- a stream in flight ---------------------------------------------------------------------------

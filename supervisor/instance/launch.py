@@ -122,12 +122,18 @@ class Launch:
         api_key = secrets.token_urlsafe(24)
         deployment = await self._deploy(port) if self.spec.rpc_workers else None
         try:
-            argv = self._backend.argv(self.spec, port)
+            # In a thread: a backend may ask its binary (llama-server's --help says which
+            # draft flags it speaks), and a slow binary must not stall the daemon.
+            argv = await asyncio.to_thread(self._backend.argv, self.spec, port)
         except BinaryNotFound as exc:
             if deployment is not None:
                 await asyncio.shield(deployment.release())
             # Its message is written for people: how to install the server (the backend's).
             raise StartFailed(str(exc)) from exc
+        except asyncio.CancelledError:  # stopped while the thread ran: workers go too
+            if deployment is not None:
+                await asyncio.shield(deployment.release())
+            raise
         env = {**self._backend.env(self.spec), **self._backend.auth_env(api_key)}
         process = ChildProcess(self._name, argv, env, keeper=self._keeper,
                                stop_signal=signal.Signals[self.spec.stop_signal]) \
