@@ -339,7 +339,7 @@ def test_a_pinned_model_that_crashes_comes_back_with_its_config(corral: Corral):
     assert answer.status_code == 200, answer.text
     pid = answer.json()["pid"]
     assert answer.json()["overrides"] == {"ctx": 2048}
-    corral.expect(allow=["kept"])
+    corral.expect("instance.health_failed")  # a probe may find it gone before its exit
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: corral.model("kept")["state"] == "ready"
                and corral.model("kept")["pid"] not in (None, pid), timeout=30)
@@ -513,7 +513,6 @@ def test_a_restart_during_a_reloads_switch_over_keeps_the_new_config(
         return {"defaults": {"prompt_cache": False}, "policy": {"max_loaded": 4},
                 "models": {"tiny": {"model": model, "ctx": ctx, "binary": str(gate.binary)}}}
     corral = start_corral(cfg(1024))
-    corral.expect(allow=["superseded", "switch"])
     old = load(corral, "tiny").json()["pid"]
     gate.hold_starts()
     try:
@@ -547,7 +546,6 @@ def test_an_unload_during_a_reloads_switch_over_keeps_the_new_config(
         return {"defaults": {"prompt_cache": False}, "policy": {"max_loaded": 4},
                 "models": {"tiny": {"model": model, "ctx": ctx, "binary": str(gate.binary)}}}
     corral = start_corral(cfg(1024))
-    corral.expect(allow=["superseded", "switch", "unloaded"])
     assert load(corral, "tiny").status_code == 200
     gate.hold_starts()
     try:
@@ -571,7 +569,6 @@ def test_replicas_run_the_same_settings(start_corral: CorralFactory, tmp_path: P
     model = str(write_tiny_llama(tmp_path / "tiny.gguf", 1, n_head=2))
     corral = start_corral({"defaults": {"prompt_cache": False, "ctx": 1024},
                            "models": {"tiny": {"model": model, "replicas": 2}}})
-    corral.expect(allow=["tiny#2"])
     answer = load(corral, "tiny", {"ctx": 2048})
     assert answer.status_code == 200, answer.text
 
