@@ -298,7 +298,7 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
                 out, writer = opened.out, opened.writer
                 async with contextlib.aclosing(_events(upstream, model)) as events:
                     async for event in events:
-                        delta, end = _read_chunk(event, outcome)
+                        delta, end = _read_chunk(event, outcome, model)
                         finish = end or finish
                         text.append(delta)
                         await out.write(writer.text(delta))
@@ -357,13 +357,15 @@ async def _events(upstream: ChildResponse, model: str) -> AsyncGenerator[dict[st
                              f"{exc or type(exc).__name__}") from exc
 
 
-def _read_chunk(event: dict[str, Any], outcome: GroupOutcome) -> tuple[str, str | None]:
-    """One synthesizer chunk: its text and finish reason; its usage is the group's."""
-    if event.get("usage"):
-        outcome.extra_usage.append(event["usage"])
-    for choice in event.get("choices") or []:
-        if isinstance(choice, dict):
-            delta = choice.get("delta") or {}
-            return (delta.get("content") or "" if isinstance(delta, dict) else "",
-                    choice.get("finish_reason"))
-    return "", None
+def _read_chunk(event: dict[str, Any], outcome: GroupOutcome,
+                model: str) -> tuple[str, str | None]:
+    """One synthesizer chunk: its text and finish reason; its usage is the group's. A chunk
+    of the wrong shape (usage strings, a delta that is no object) is the synthesizer's
+    failure, never read on into the group's answer."""
+    try:
+        delta, finish, usage = translate.stream_chunk(event)
+    except translate.NotAnAnswer as exc:
+        raise UpstreamFailed(f"{model} streamed a chunk that is no chat chunk: {exc}") from exc
+    if usage:
+        outcome.extra_usage.append(usage)
+    return delta, finish

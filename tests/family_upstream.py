@@ -6,7 +6,8 @@ body) as a JSON line to --log, so a test sees what corral sent it. With --break 
 stream stops after two chunks with the connection cut. A request whose text says
 `hostile:NAME` gets the hostile answer NAME in the path's family instead (HOSTILE: wrong
 shapes, a giant or endless answer, an event stream where JSON was asked, corral-looking
-events in its text). Standard library only."""
+events in its text); STREAMED names do it in a streamed chat answer (a synthesizer's), and
+answer normally when asked whole. Standard library only."""
 
 import argparse
 import json
@@ -125,7 +126,19 @@ def hostile(name: str, path: str) -> bytes | None:
     return json.dumps(answer).encode()
 
 
-def stream(conn: socket.socket, body: dict, broken: bool) -> None:
+# Streamed chat chunks with wrong shapes, by hostile name: what follows the first text chunk.
+STREAMED = {
+    "stream-usage": [{"choices": [], "usage": {"prompt_tokens": "many",
+                                               "completion_tokens": [1]}}],
+    "stream-disorder": [{"choices": [{"delta": {}, "finish_reason": "stop"}]},
+                        {"choices": "x"}, {"choices": [{"delta": "text"}]},
+                        {"choices": [{"delta": {"content": ["a"]}, "finish_reason": ["x"]}]}],
+    "stream-forged": [{"choices": [{"index": 0, "delta": {"content": FORGED},
+                                    "finish_reason": "stop"}]}],
+}
+
+
+def stream(conn: socket.socket, body: dict, broken: bool, hostile: str | None = None) -> None:
     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                  b"Transfer-Encoding: chunked\r\n\r\n")
 
@@ -133,6 +146,13 @@ def stream(conn: socket.socket, body: dict, broken: bool) -> None:
         data = b"data: " + json.dumps(event).encode() + b"\n\n"
         conn.sendall(b"%x\r\n%s\r\n" % (len(data), data))
 
+    if hostile in STREAMED:
+        send({"id": "fake", "object": "chat.completion.chunk",
+              "choices": [{"index": 0, "delta": {"content": "fake "}, "finish_reason": None}]})
+        for event in STREAMED[hostile]:
+            send(event)
+        conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        return
     for text in ("fake ", "stream "):
         send({"id": "fake", "object": "chat.completion.chunk", "model": body.get("model"),
               "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
@@ -153,9 +173,13 @@ def serve(conn: socket.socket, log: Path, broken: bool) -> None:
                 body = json.loads(raw or b"{}")
                 with log.open("a") as out:
                     out.write(json.dumps({"path": path, "body": body}) + "\n")
-                named = re.search(r"hostile:([a-z-]+)", json.dumps(body))
-                if named:
-                    data = hostile(named.group(1), path)
+                found = re.search(r"hostile:([a-z-]+)", json.dumps(body))
+                named = found.group(1) if found else None
+                if named and body.get("stream") and named in STREAMED:
+                    stream(conn, body, broken, named)
+                    return
+                if named and named not in STREAMED:  # a streamed name asked whole: answers
+                    data = hostile(named, path)
                     if data is None:
                         threading.Event().wait()  # endless: not a byte, ever
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

@@ -75,6 +75,9 @@ def corral(start_corral_module, tiny_models, tmp_path_factory) -> Corral:
         # Members a client gives up on (they never answer "hostile:endless").
         "stuck": {"type": "parallel", "models": ["steady", "fam-resp", "fam-msg"],
                   "member_timeout": 120, "expose_as_model": True},
+        # A synthesizer whose stream a test sets (hostile:stream-*), streamed to the client.
+        "synth": {"type": "consensus", "models": ["steady"], "synthesizer": "fam-chat",
+                  "member_timeout": 10, "expose_as_model": True},
         # Members that speak Responses and Messages, one chosen: its text and tool calls.
         "mirror": {"type": "fan_out", "models": ["fam-resp", "fam-msg"],
                    "selector": "first_ok", "expose_as_model": True},
@@ -389,3 +392,51 @@ def test_a_client_that_hangs_up_mid_group_leaves_no_member_running(
     records = wait_until(recorded, timeout=10)
     assert [r["model"] for r in records] == ["stuck"], records
     assert records[0]["status"] == 499, records
+
+
+def streamed(family: str, prompt: str) -> tuple[str, dict[str, Any]]:
+    if family == "chat":
+        return "/v1/chat/completions", {"model": "synth", "stream": True,
+                                        "messages": [{"role": "user", "content": prompt}]}
+    if family == "responses":
+        return "/v1/responses", {"model": "synth", "stream": True, "input": prompt}
+    return "/v1/messages", {"model": "synth", "stream": True, "max_tokens": 8,
+                            "messages": [{"role": "user", "content": prompt}]}
+
+
+# How each family's stream says it broke: chat's error object, the others' `error` event.
+BROKEN_END = {"chat": b'"error"', "responses": b"event: error", "messages": b"event: error"}
+
+
+@pytest.mark.parametrize("family", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("answer", ["stream-usage", "stream-disorder"])
+def test_a_synthesizers_stream_of_wrong_shapes_is_its_failure(corral: Corral, family: str,
+                                                              answer: str) -> None:
+    """Chunks with usage strings, choices that are no list, a delta that is a string, a
+    finish reason that is a list: the synthesizer failed, said in the client's family (the
+    status line went out as 200), and recorded as 502; never a 500 or a traceback."""
+    path, body = streamed(family, f"hostile:{answer}")
+    since = time.time()
+    with corral.http.stream("POST", path, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        raw = response.read()
+    assert BROKEN_END[family] in raw, raw[-600:]
+    assert b"synthesizer fam-chat failed" in raw, raw[-600:]
+
+    def recorded() -> list[dict[str, Any]]:
+        requests = corral.http.get("/admin/requests?limit=1000").json()["requests"]
+        return [r for r in requests if r["time"] >= since and r["endpoint"] == path]
+
+    assert [r["status"] for r in wait_until(recorded, timeout=10)] == [502]
+
+
+def test_a_synthesizers_words_are_never_corrals_events(corral: Corral) -> None:
+    client = corral.client(timeout=60)
+    with client.responses.stream(model="synth", input="hostile:stream-forged") as stream:
+        final = stream.get_final_response()
+    assert final.model == "synth" and FORGED in final.output_text
+    claude = anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0)
+    with claude.messages.stream(model="synth", max_tokens=8, messages=[
+            {"role": "user", "content": "hostile:stream-forged"}]) as mstream:
+        text = "".join(mstream.text_stream)
+    assert FORGED in text and mstream.get_final_message().stop_reason == "end_turn"

@@ -510,6 +510,24 @@ def _from_chat(data: dict[str, Any]) -> Answer:
                   if usage else None)
 
 
+def stream_chunk(event: Any) -> tuple[str, str | None, dict[str, int] | None]:
+    """One chunk of a member's streamed chat answer (a synthesizer's): its text, its finish
+    reason and its usage, each of its type; NotAnAnswer when it is no chat chunk."""
+    chunk = _object(event, "chunk")
+    usage = chunk.get("usage")
+    counts = None
+    if usage is not None:
+        usage = _object(usage, "chunk's usage")
+        counts = chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    choices = _list(chunk.get("choices") or [], "chunk's choices")
+    if not choices:
+        return "", None, counts
+    choice = _object(choices[0], "chunk's choice")
+    delta = _object(choice.get("delta") or {}, "chunk's delta")
+    finish = _string(choice.get("finish_reason"), "finish_reason") or None
+    return _string(delta.get("content"), "chunk's content"), finish, counts
+
+
 def _from_responses(data: dict[str, Any]) -> Answer:
     text: list[str] = []
     calls: list[dict[str, Any]] = []
