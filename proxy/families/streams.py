@@ -12,7 +12,7 @@ import uuid
 from typing import Any, ClassVar
 
 from corral.proxy import sse
-from corral.proxy.families.translate import Answer
+from corral.proxy.families.answers import Answer
 from corral.proxy.families.wire import MESSAGES, RESPONSES
 
 Details = dict[str, Any]

@@ -8,11 +8,22 @@ counterpart in the other family (a provider's built-in tools, reasoning items) i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from corral.proxy.errors import ApiError
+from corral.proxy.families.answers import (
+    Answer,
+    NotAnAnswer,
+    member_answer,
+    part_text,
+    stream_chunk,
+    text_of,
+)
 from corral.proxy.validate import check_fields
+
+# A member's answer is read in answers.py; the groups take it from here with the requests.
+__all__ = ["DEFAULT_MAX_TOKENS", "PATHS", "Answer", "NotAnAnswer", "member_answer",
+           "member_request", "stream_chunk", "to_chat"]
 
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
          "messages": "/v1/messages"}
@@ -20,44 +31,8 @@ PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
 DEFAULT_MAX_TOKENS = 4096
 
 
-@dataclass
-class Answer:
-    """One assistant answer in chat terms: what a member said, or what a group answers."""
-
-    text: str
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat `tool_calls`
-    finish: str = "stop"  # stop | length | tool_calls
-    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
-
-
 def bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, "invalid_request", param=param)
-
-
-class NotAnAnswer(TypeError):
-    """A member's answer that is not one of its family (a TypeError: what the group runner
-    counts as a member that answered without a message)."""
-
-
-def _count(value: Any, what: str) -> int:
-    """A token count a member reported: a whole number, or none at all."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-            isinstance(value, float) and not value.is_integer()):
-        raise NotAnAnswer(f"its usage's {what} is {str(value)[:40]!r}, not a token count")
-    return int(value)
-
-
-def chat_usage(prompt: Any, completion: Any) -> dict[str, int]:
-    p, c = _count(prompt, "input"), _count(completion, "output")
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _text(part: Any) -> str:
-    """A part's text, or nothing (a part without one, or with null)."""
-    text = part.get("text") if isinstance(part, dict) else None
-    return text if isinstance(text, str) else ""
 
 
 # -- a client's request, as the chat request a group runs ----------------------------------
@@ -148,7 +123,7 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
         if isinstance(content, list):
             content = [_response_part(p, f"{where}.content") for p in content]
             if role != "user":  # only a user turn's content may carry images in chat
-                content = "".join(_text(p) for p in content)
+                content = "".join(part_text(p) for p in content)
         elif not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of parts", "input")
         messages.append({"role": "system" if role == "developer" else role,
@@ -168,7 +143,7 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
     elif kind == "function_call_output":
         output = item.get("output")
         if isinstance(output, list):
-            output = "".join(_text(p) for p in output)
+            output = "".join(part_text(p) for p in output)
         if not isinstance(item.get("call_id"), str):
             raise bad(f"{where}.call_id must name the function_call it answers",
                       f"{where}.call_id")
@@ -184,7 +159,7 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
 def _response_part(part: Any, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text"):
-        return {"type": "text", "text": _text(part)}
+        return {"type": "text", "text": part_text(part)}
     if kind == "input_image":
         url = part.get("image_url")
         if not isinstance(url, str):
@@ -199,7 +174,7 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if isinstance(system, list):
-        system = "\n".join(_text(b) for b in system)
+        system = "\n".join(part_text(b) for b in system)
     if isinstance(system, str) and system:
         messages.append({"role": "system", "content": system})
     turns = body.get("messages")
@@ -246,7 +221,7 @@ def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append({"type": "text", "text": _text(block)})
+            parts.append({"type": "text", "text": part_text(block)})
         elif kind == "image":
             parts.append(_message_image(block.get("source"), where))
         elif kind == "tool_use":
@@ -260,14 +235,14 @@ def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None
                           f"{where}.content")
             # A tool's result is a turn of its own in chat, before the user's own words.
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                             "content": _result_text(block.get("content"))})
+                             "content": _resultpart_text(block.get("content"))})
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
             raise bad(f"{where}: blocks of type {str(kind)[:40]!r} are not supported by groups "
                       "(text, image, tool_use and tool_result are)", "messages")
     if role == "assistant":
-        text = "".join(_text(p) for p in parts)
+        text = "".join(part_text(p) for p in parts)
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             message["tool_calls"] = calls
@@ -288,9 +263,9 @@ def _message_image(source: Any, where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _result_text(content: Any) -> str:
+def _resultpart_text(content: Any) -> str:
     if isinstance(content, list):
-        return "".join(_text(b) for b in content)
+        return "".join(part_text(b) for b in content)
     return content if isinstance(content, str) else json.dumps(content)
 
 
@@ -324,17 +299,17 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
         role = message.get("role")
         if role == "tool":
             items.append({"type": "function_call_output", "call_id": message.get("tool_call_id"),
-                          "output": _text_of(message.get("content"))})
+                          "output": text_of(message.get("content"))})
             continue
         content = message.get("content")
         if role == "user" and isinstance(content, list):
             parts = [{"type": "input_image", "image_url": _image_url(p), "detail": "auto"}
                      if p.get("type") == "image_url" else
-                     {"type": "input_text", "text": _text(p)}
+                     {"type": "input_text", "text": part_text(p)}
                      for p in _chat_parts(content)]
             items.append({"type": "message", "role": "user", "content": parts})
         elif content:
-            items.append({"type": "message", "role": role, "content": _text_of(content)})
+            items.append({"type": "message", "role": role, "content": text_of(content)})
         for call in message.get("tool_calls") or []:
             function = call.get("function") or {}
             items.append({"type": "function_call", "call_id": call.get("id"),
@@ -362,12 +337,6 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(_text(p) for p in content)
-    return content if isinstance(content, str) else ""
-
-
 def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
     system: list[str] = []
     turns: list[dict[str, Any]] = []
@@ -382,10 +351,10 @@ def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
     for message in chat.get("messages") or []:
         role, content = message.get("role"), message.get("content")
         if role in ("system", "developer"):
-            system.append(_text_of(content))
+            system.append(text_of(content))
         elif role == "tool":
             add("user", [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                          "content": _text_of(content)}])
+                          "content": text_of(content)}])
         elif role in ("user", "assistant"):
             blocks = [_message_block(p) for p in _chat_parts(content)
                       if p.get("type") != "text" or p.get("text")]
@@ -423,7 +392,7 @@ def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
 
 def _message_block(part: dict[str, Any]) -> dict[str, Any]:
     if part.get("type") != "image_url":
-        return {"type": "text", "text": _text(part)}
+        return {"type": "text", "text": part_text(part)}
     url = _image_url(part)
     if url.startswith("data:") and ";base64," in url:
         media_type, _, data = url[5:].partition(";base64,")
@@ -438,131 +407,3 @@ def _arguments(raw: Any) -> Any:
     except ValueError:
         return {"arguments": raw}  # a model's broken JSON still reaches the member, as text
     return value if isinstance(value, dict) else {"value": value}
-
-
-def member_answer(api: str, data: Any) -> Answer:
-    """A member's whole answer in its family, as chat terms, every field of the type the
-    group's writers and votes read (a text, calls whose arguments are JSON text, counts);
-    NotAnAnswer (a TypeError) when it is not an answer of that family. What a member wrote
-    is only ever data: its text is relayed inside the client's events, never parsed."""
-    if not isinstance(data, dict):
-        raise NotAnAnswer(f"its answer is a JSON {type(data).__name__}, not an object")
-    if api == "responses":
-        return _from_responses(data)
-    if api == "messages":
-        return _from_messages(data)
-    return _from_chat(data)
-
-
-def _list(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise NotAnAnswer(f"its {what} is not a list")
-    return value
-
-
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise NotAnAnswer(f"its {what} is not an object")
-    return value
-
-
-def _string(value: Any, what: str, default: str = "") -> str:
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise NotAnAnswer(f"its {what} is not a string")
-    return value
-
-
-def _call(call_id: Any, name: Any, arguments: Any, n: int) -> dict[str, Any]:
-    """A tool call in chat's shape. Arguments given as an object (some servers do) become
-    the JSON text chat carries; a call without a name is no call a client could make."""
-    name = _string(name, "tool call's name")
-    if not name:
-        raise NotAnAnswer("it made a tool call without a name")
-    if not isinstance(arguments, str):
-        if arguments is not None and not isinstance(arguments, dict):
-            raise NotAnAnswer("its tool call's arguments are neither JSON text nor an object")
-        arguments = json.dumps(arguments or {})
-    return {"id": _string(call_id, "tool call's id") or f"call_{n}", "type": "function",
-            "function": {"name": name, "arguments": arguments or "{}"}}
-
-
-def _usage(data: dict[str, Any]) -> dict[str, Any]:
-    usage = data.get("usage")
-    return {} if usage is None else _object(usage, "usage")
-
-
-def _from_chat(data: dict[str, Any]) -> Answer:
-    choice = _object(_list(data["choices"], "choices")[0], "choice")
-    message = _object(choice["message"], "message")
-    content = message.get("content")
-    text = _text_of(content) if isinstance(content, list) else _string(content, "content")
-    calls = [_call(c.get("id"), _object(c.get("function"), "tool call").get("name"),
-                   c["function"].get("arguments"), n)
-             for n, c in enumerate(_list(message.get("tool_calls") or [], "tool_calls"))
-             if _object(c, "tool call")]
-    finish = choice.get("finish_reason") or "stop"
-    usage = _usage(data)
-    return Answer(text, calls,
-                  "tool_calls" if calls else finish if finish in ("stop", "length") else "stop",
-                  chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
-                  if usage else None)
-
-
-def stream_chunk(event: Any) -> tuple[str, str | None, dict[str, int] | None]:
-    """One chunk of a member's streamed chat answer (a synthesizer's): its text, its finish
-    reason and its usage, each of its type; NotAnAnswer when it is no chat chunk."""
-    chunk = _object(event, "chunk")
-    usage = chunk.get("usage")
-    counts = None
-    if usage is not None:
-        usage = _object(usage, "chunk's usage")
-        counts = chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
-    choices = _list(chunk.get("choices") or [], "chunk's choices")
-    if not choices:
-        return "", None, counts
-    choice = _object(choices[0], "chunk's choice")
-    delta = _object(choice.get("delta") or {}, "chunk's delta")
-    finish = _string(choice.get("finish_reason"), "finish_reason") or None
-    return _string(delta.get("content"), "chunk's content"), finish, counts
-
-
-def _from_responses(data: dict[str, Any]) -> Answer:
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for item in _list(data["output"], "output"):
-        kind = _object(item, "output item").get("type")
-        if kind == "message":
-            for part in _list(item.get("content") or [], "message's content"):
-                if _object(part, "content part").get("type") == "output_text":
-                    text.append(_string(part.get("text"), "output_text"))
-        elif kind == "function_call":
-            calls.append(_call(item.get("call_id"), item.get("name"), item.get("arguments"),
-                               len(calls)))
-    usage = _usage(data)
-    cut = data.get("status") == "incomplete"
-    return Answer("".join(text), calls,
-                  "tool_calls" if calls else "length" if cut else "stop",
-                  chat_usage(usage.get("input_tokens"), usage.get("output_tokens")))
-
-
-def _from_messages(data: dict[str, Any]) -> Answer:
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for block in _list(data["content"], "content"):
-        kind = _object(block, "content block").get("type")
-        if kind == "text":
-            text.append(_string(block.get("text"), "text block"))
-        elif kind == "tool_use":
-            tool_input = block.get("input")
-            if not isinstance(tool_input, dict):
-                raise NotAnAnswer("its tool_use input is not an object")
-            calls.append(_call(block.get("id"), block.get("name"), tool_input, len(calls)))
-    usage = _usage(data)
-    stop = data.get("stop_reason")
-    prompt = sum(_count(usage.get(k), k) for k in (
-        "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
-    return Answer("".join(text), calls,
-                  "tool_calls" if calls else "length" if stop == "max_tokens" else "stop",
-                  chat_usage(prompt, usage.get("output_tokens")))
