@@ -12,6 +12,7 @@ shared out as its `--tensor-split` says (evenly without one), on top of the fixe
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ MIB = 1024 * 1024
 class FileGpu:
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.path = Path(options["path"])
+        self.options = options
 
     def _read(self) -> tuple[dict[str, float], list[int]]:
         data = json.loads(self.path.read_text())
@@ -42,6 +44,10 @@ class FileGpu:
         return data, children
 
     def devices(self) -> list[Device]:
+        # A driver that hangs: while the file `hang_while` exists, no answer.
+        hang = self.options.get("hang_while")
+        while hang and Path(hang).exists():
+            time.sleep(0.05)
         data, children = self._read()
         if "gpus" in data:  # several GPUs, each {"total_mb", "used_mb"}
             held = self._held(data, children)

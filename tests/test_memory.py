@@ -244,3 +244,28 @@ def test_the_sampler_evicts_idle_models_past_the_low_watermark_and_critical_refu
     wait_until(lambda: next(d for d in corral.http.get("/admin/memory").json()["devices"]
                             if d["name"] == "gpu0")["pressure"] == "none", timeout=5)
     assert corral.chat("tiny-b", max_tokens=4).status_code == 200
+
+
+@pytest.mark.expect_log("daemon.memory_read_slow")
+def test_a_gpu_reader_that_hangs_stops_neither_start_up_nor_a_pinned_model(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Every await has a deadline, a driver's read too: corral starts, starts what it keeps
+    loaded and answers while NVML (here its stand-in) does not answer, and samples again once
+    it does, with one read at a time meanwhile."""
+    gpu, hang = tmp_path / "gpu.json", tmp_path / "hang"
+    write_gpu(gpu, total_mb=10000, others_mb=1234)
+    hang.touch()
+    config = tiny_config(
+        tiny_models, ["tiny-a"], groups={"core": {"models": ["tiny-a"], "pinned": True}},
+        memory={"interval": 0.2, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
+                "gpu_reader_options": {"path": str(gpu), "hang_while": str(hang)}})
+    corral = start_corral(config)
+    wait_until(lambda: corral.model("tiny-a")["state"] == "ready", timeout=30)
+    assert corral.chat("tiny-a", max_tokens=2).status_code == 200
+    wait_until(lambda: "daemon.memory_read_slow" in corral.log_path.read_text(), timeout=30)
+    hang.unlink()
+
+    def gpu_seen() -> bool:
+        devices = corral.http.get("/admin/memory").json()["devices"]
+        return any(d["name"] == "gpu0" for d in devices)
+    wait_until(gpu_seen, timeout=30)

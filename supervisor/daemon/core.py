@@ -116,6 +116,8 @@ class Daemon:
             connector=aiohttp.TCPConnector(limit=0, force_close=True))
         try:
             await self.memory_loop.sample()  # decisions see memory from the first request on
+        except TimeoutError as exc:  # a driver that hangs: corral starts without it
+            log.warning("daemon.memory_read_slow", error=str(exc))
         except Exception:
             log.exception("daemon.memory_watch_failed")  # corral serves without it meanwhile
         # After the first sample: its first sweep starts what is kept loaded, which must be

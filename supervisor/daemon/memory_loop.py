@@ -22,6 +22,9 @@ from corral.supervisor.memory.view import MIB
 log = structlog.get_logger("corral.daemon")
 
 StepKv = Callable[[str, int, str], None]
+# How long one read of the devices may take before the loop goes on without it: a driver that
+# hangs (NVML, amdsmi, a plugin's reader) must not stop start-up or every later sample.
+SAMPLE_TIMEOUT_S = 10.0
 
 
 class MemoryLoop:
@@ -31,6 +34,7 @@ class MemoryLoop:
         self._memory = memory
         self._step_kv = step_kv
         self._wake = asyncio.Event()
+        self._reading: asyncio.Future[Any] | None = None
 
     def wake(self) -> None:
         """New limits apply at once, not at the next sample."""
@@ -40,8 +44,20 @@ class MemoryLoop:
         """Read devices and children (in a thread: psutil walks /proc, NVML asks the driver),
         then adopt the sample on the loop. Room may have come or gone: waiters look again."""
         children = self._herd.live()
-        sample = await asyncio.to_thread(self._memory.read, [i.pid for i in children
-                                                             if i.pid is not None])
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(asyncio.to_thread(
+                self._memory.read, [i.pid for i in children if i.pid is not None]))
+            # A read that ends after its waiter gave up is nobody's: its error is dropped here.
+            self._reading.add_done_callback(
+                lambda done: done.cancelled() or done.exception())
+        # One read at a time: a hung one is waited on again, never joined by a second thread.
+        try:
+            async with asyncio.timeout(SAMPLE_TIMEOUT_S):
+                sample = await asyncio.shield(self._reading)
+        except TimeoutError:
+            raise TimeoutError(f"reading memory took over {SAMPLE_TIMEOUT_S:g}s (a device "
+                               "driver not answering); corral goes on with the last "
+                               "sample") from None
         self._memory.take(sample, children)
         for inst in children:
             if inst.state is State.READY and inst.process is not None:
@@ -53,6 +69,8 @@ class MemoryLoop:
             try:
                 await self.sample()
                 self.relieve()
+            except TimeoutError as exc:
+                log.warning("daemon.memory_read_slow", error=str(exc))
             except Exception:
                 log.exception("daemon.memory_watch_failed")  # one bad sample is not the end
             with contextlib.suppress(TimeoutError):
