@@ -11,6 +11,7 @@ member's words that look like corral's own events reach the client as words."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import psutil
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -428,6 +430,17 @@ def test_a_synthesizers_stream_of_wrong_shapes_is_its_failure(corral: Corral, fa
         return [r for r in requests if r["time"] >= since and r["endpoint"] == path]
 
     assert [r["status"] for r in wait_until(recorded, timeout=10)] == [502]
+    if family == "responses":  # one sequence, failure included, under one response id
+        events = [json.loads(line[6:]) for line in raw.splitlines()
+                  if line.startswith(b"data: {")]
+        assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+        assert [e["type"] for e in events][-2:] == ["response.failed", "error"]
+        ids = {e["response"]["id"] for e in events if "response" in e}
+        assert len(ids) == 1, ids
+        with pytest.raises(openai.APIError, match="synthesizer fam-chat failed"), \
+                corral.client(timeout=60).responses.stream(
+                    model="synth", input=f"hostile:{answer}") as stream:
+            list(stream)
 
 
 def test_a_synthesizers_words_are_never_corrals_events(corral: Corral) -> None:

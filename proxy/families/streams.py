@@ -11,9 +11,9 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from corral.proxy import sse
+from corral.proxy import request_id, sse
 from corral.proxy.families.answers import Answer
-from corral.proxy.families.wire import MESSAGES, RESPONSES
+from corral.proxy.families.wire import MESSAGES
 
 Details = dict[str, Any]
 
@@ -178,9 +178,14 @@ class ResponsesWriter(FamilyWriter):
         return out + self._event("response.completed", response=final)
 
     def error(self, message: str, code: str) -> bytes:
-        head = RESPONSES.head()
-        head.response_id = self.id
-        return RESPONSES.broken(message, code, self.model, head)
+        """The relay's ending of a broken Responses stream (wire.py), in this stream's
+        sequence: `response.failed` with what was written so far, then `error`."""
+        text = request_id.tagged(message)
+        failed = self._response("failed", [self._message("".join(self.streamed), "incomplete")])
+        failed["error"] = {"code": "server_error", "message": text}
+        return (self._event("response.failed", response=failed)
+                + self._event("error", code=code, message=text, param=None, error={
+                    "message": text, "type": "server_error", "code": code, "param": None}))
 
 
 class MessagesWriter(FamilyWriter):
