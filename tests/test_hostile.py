@@ -279,8 +279,10 @@ def test_a_client_hang_up_mid_synthesis_is_not_the_synthesizers_failure():
     outcome = GroupOutcome(group, [], 0.0)
 
     async def run() -> None:
-        await group_routes._stream_synthesis(_Gone(), runner,  # type: ignore[arg-type]
-                                             FamilyWriter(group.name), {}, outcome)
+        # The stream's opening: the gone client, the chat writer, a record that notes ttft.
+        opened = group_routes._Opening(_Gone(), FamilyWriter(group.name),  # type: ignore[arg-type]
+                                       SimpleNamespace(first_bytes=lambda: None))
+        await group_routes._stream_synthesis(opened, runner, {}, outcome)  # type: ignore[arg-type]
 
     with pytest.raises(ConnectionResetError):
         asyncio.run(run())
