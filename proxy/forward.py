@@ -195,6 +195,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     # read again).
     direct = renamer is None  # the first chunk is yet to go out the usual way
     sink: Callable[[bytes], bool] | None = None
+    held = b""  # a start that waits for its first event (wire.holds_start)
     try:
         while True:
             # Only the read from the child is the child's fault; a failed write to the client
@@ -223,6 +224,8 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                     await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
                 break
             if not chunk:
+                if held:  # a stream too short to show its first event
+                    await out.write(renamer.feed(held) if renamer is not None else held)
                 if renamer is not None:
                     rest = renamer.flush()
                     if rest:
@@ -234,6 +237,11 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 tail.append(chunk)  # the last few only: the usage is in the last event
             if not head.done:
                 head.feed(chunk)
+                if wire.holds_start:
+                    if not head.done:
+                        held += chunk
+                        continue
+                    chunk, held = wire.start(head, lease.model) + held + chunk, b""
                 if head.done and record is not None:
                     record.read_stream_head(head)
             if renamer is not None:

@@ -172,7 +172,13 @@ def test_a_served_name_never_reaches_the_client_in_either_family(corral: Corral)
         for path in ("/v1/responses", "/v1/messages"):
             record = last_request(corral, path, stream)
             assert record["model"] == "tiny-cmd", record
-            assert record["tokens_in"] and record["tokens_out"] == 4, record
+            assert record["tokens_out"] == 4, record
+            # llama-server leaves a stream's message_start (its input tokens) out when its
+            # first token is part of a UTF-8 character, which this tiny model's random
+            # weights often write: corral adds the event, the count stays unknown.
+            child_counted = not (stream and path == "/v1/messages"
+                                 and b'"input_tokens":0' in messages.replace(b" ", b""))
+            assert record["tokens_in"] or not child_counted, record
     # And through the SDKs, whole and streamed.
     reply = oai(corral).responses.create(model="tiny-cmd", input="hi", max_output_tokens=4)
     assert reply.model == "tiny-cmd"
@@ -343,3 +349,34 @@ def test_a_stream_is_whole_once_its_familys_last_event_is_out(path: str, tail: b
     # Split anywhere: the tail is the last few chunks as the child sent them.
     record.tail.extend([tail[:7], tail[7:]])
     assert record.delivered() is whole
+
+
+def test_a_messages_stream_always_begins_with_message_start(corral: Corral) -> None:
+    """llama-server leaves message_start out when its first token is part of a UTF-8
+    character (this tiny model's random weights do that on many streams); Anthropic's SDK
+    then fails with "Unexpected event order". corral adds it, under the model's name."""
+    for _ in range(20):
+        with claude(corral).messages.stream(
+                model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+                extra_body={"ignore_eos": True}) as stream:
+            final = stream.get_final_message()
+        assert final.model == "tiny" and final.usage.output_tokens == 3, final
+
+
+def test_the_relay_adds_a_missing_message_start_and_leaves_a_present_one() -> None:
+    from corral.proxy.families.wire import MESSAGES
+
+    bare = (b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+            b'"content_block":{"type":"text","text":""}}\n\n')
+    head = MESSAGES.head()
+    for piece in (bare[:20], bare[20:]):  # split anywhere
+        head.feed(piece)
+    assert head.done and head.first == "content_block_start" and head.tokens_in is None
+    added = MESSAGES.start(head, "m")
+    assert added.startswith(b"event: message_start\ndata: ")
+    event = json.loads(added.split(b"data: ", 1)[1])
+    assert event["message"]["model"] == "m" and event["message"]["usage"]["input_tokens"] == 0
+    started = MESSAGES.head()
+    started.feed(b'event: message_start\ndata: {"type":"message_start","message":'
+                 b'{"usage":{"input_tokens":7}}}\n\n')
+    assert started.tokens_in == 7 and MESSAGES.start(started, "m") == b""

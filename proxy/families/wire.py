@@ -46,6 +46,12 @@ class Wire:
     nested: tuple[str, ...] = ()
     # Whether the first event of a stream says something corral keeps (tokens, an id).
     reads_head = False
+    # Whether the stream's start waits for its first event before it goes out (start()).
+    holds_start = False
+
+    def start(self, head: StreamHead, model: str) -> bytes:
+        """What goes out before a stream's first event, when the child left it out."""
+        return b""
 
     def usage(self, data: dict[str, Any]) -> Tokens:
         """The tokens an answer or a stream event reports, (None, None) when it has none."""
@@ -171,14 +177,32 @@ class MessagesWire(Wire):
         return tokens + (_int(usage.get("cache_read_input_tokens")) or 0) \
             + (_int(usage.get("cache_creation_input_tokens")) or 0)
 
+    # The stream's start is held until its first event is read: one that lacks message_start
+    # gets it (below).
+    holds_start = True
+
     def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
-        if event.get("type") != "message_start":
-            return False
+        kind = event.get("type")
+        head.first = kind if isinstance(kind, str) else ""
+        if kind != "message_start":
+            return True  # the first event, whatever it is: the start is decided
         message = _dict(event.get("message"))
         usage = _dict(message.get("usage")) if message is not None else None
         if usage is not None:
             head.tokens_in = self._input(usage)
         return True
+
+    def start(self, head: StreamHead, model: str) -> bytes:
+        """A message_start for a stream whose first event is another one: llama-server leaves
+        it out when its first token is part of a UTF-8 character (seen on 12 of 30 streams of a
+        tiny model), and Anthropic's SDKs refuse any event before it ("Unexpected event
+        order"). Its input tokens are unknown: 0 there, none in the request log."""
+        if head.first is None or head.first == "message_start":
+            return b""
+        return typed("message_start", {"type": "message_start", "message": {
+            "id": f"msg_corral_{request_id.current() or int(time.time())}", "type": "message",
+            "role": "assistant", "model": model, "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
 
     def broken(self, message: str, code: str, model: str, head: StreamHead | None) -> bytes:
         """Anthropic's error event: the `event: error` line is what its SDKs raise on (an
@@ -202,13 +226,14 @@ class StreamHead:
     """What a stream's first event says, read from its first chunks only (the relay passes
     every later chunk on unread): the Messages input tokens, the Responses id."""
 
-    __slots__ = ("_buffer", "_chunks", "done", "response_id", "tokens_in", "wire")
+    __slots__ = ("_buffer", "_chunks", "done", "first", "response_id", "tokens_in", "wire")
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
         self.done = not wire.reads_head
         self.tokens_in: int | None = None
         self.response_id: str | None = None
+        self.first: str | None = None  # the first event's type (Messages), once read
         self._buffer = b""
         self._chunks = 0
 
