@@ -230,6 +230,7 @@ def test_members_that_speak_responses_or_messages_are_asked_in_it(corral: Corral
     resp, msg = sent(logs / "resp.jsonl")[-1], sent(logs / "msg.jsonl")[-1]
     assert resp["path"] == "/v1/responses" and msg["path"] == "/v1/messages"
     assert resp["body"]["max_output_tokens"] == MAX and resp["body"]["temperature"] == 0.5
+    assert resp["body"]["store"] is False  # a Responses server keeps nothing of a member call
     assert resp["body"]["input"] == [
         {"type": "message", "role": "system", "content": "Be brief."},
         {"type": "message", "role": "user", "content": [

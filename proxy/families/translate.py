@@ -315,7 +315,10 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
             items.append({"type": "function_call", "call_id": call.get("id"),
                           "name": function.get("name"),
                           "arguments": function.get("arguments") or "{}"})
+    # store: false: a Responses server (OpenAI's own) keeps every response by default; a
+    # group's member call is one turn of a conversation corral does not keep either.
     out: dict[str, Any] = {"model": chat.get("model"), "input": items, "stream": False,
+                           "store": False,
                            **_copy(chat, {"temperature": "temperature", "top_p": "top_p"})}
     limit = chat.get("max_completion_tokens") or chat.get("max_tokens")
     if limit:
