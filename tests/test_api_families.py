@@ -206,35 +206,51 @@ def ready_pid(corral: Corral) -> int:
 
 
 def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
-    pid = ready_pid(corral)
-    seen: list[str] = []
-    with pytest.raises(anthropic.APIError) as raised, claude(corral).messages.stream(
-            model="tiny", max_tokens=4000, extra_body=LONG,
-            messages=[{"role": "user", "content": "hi"}]) as stream:
-        for event in stream:
-            seen.append(event.type)
-            if len(seen) == 4:
-                os.kill(pid, signal.SIGKILL)
-    assert "message_stop" not in seen, seen
-    assert "tiny failed mid-stream" in str(raised.value), raised.value
-    a_fresh_child_answers(corral, pid)
+    # A tiny model's random weights may end its answer (a stop string of the template) before
+    # the kill lands: then the stream was whole, and the kill is tried again on a fresh child.
+    for _ in range(5):
+        pid = ready_pid(corral)
+        seen: list[str] = []
+        try:
+            with claude(corral).messages.stream(
+                    model="tiny", max_tokens=4000, extra_body=LONG,
+                    messages=[{"role": "user", "content": "hi"}]) as stream:
+                for event in stream:
+                    seen.append(event.type)
+                    if len(seen) == 4:
+                        os.kill(pid, signal.SIGKILL)
+        except anthropic.APIError as raised:
+            assert "message_stop" not in seen, seen
+            assert "tiny failed mid-stream" in str(raised), raised
+            a_fresh_child_answers(corral, pid)
+            return
+        assert seen[-1] == "message_stop", seen  # whole before the kill: no error to raise
+        a_fresh_child_answers(corral, pid)
+    pytest.fail("the child finished its answer before the kill, five times")
 
 
 def test_kill_9_mid_stream_the_openai_sdk_raises_on_responses(corral: Corral) -> None:
-    pid = ready_pid(corral)
-    seen: list[Any] = []
-    with pytest.raises(openai.APIError) as raised:
-        for event in oai(corral).responses.create(model="tiny", input="hi", stream=True,
-                                                  max_output_tokens=4000, extra_body=LONG):
-            seen.append(event)
-            if len(seen) == 4:
-                os.kill(pid, signal.SIGKILL)
-    assert "tiny failed mid-stream" in str(raised.value), raised.value
-    # Before the error, the response itself ends failed, under the id it began with.
-    failed = [e for e in seen if e.type == "response.failed"]
-    assert len(failed) == 1 and failed[0].response.id == seen[0].response.id, seen[-3:]
-    assert failed[0].response.status == "failed" and failed[0].response.model == "tiny"
-    a_fresh_child_answers(corral, pid)
+    for _ in range(5):  # as above: an answer whole before the kill landed is tried again
+        pid = ready_pid(corral)
+        seen: list[Any] = []
+        try:
+            for event in oai(corral).responses.create(model="tiny", input="hi", stream=True,
+                                                      max_output_tokens=4000, extra_body=LONG):
+                seen.append(event)
+                if len(seen) == 4:
+                    os.kill(pid, signal.SIGKILL)
+        except openai.APIError as raised:
+            assert "tiny failed mid-stream" in str(raised), raised
+            # Before the error, the response itself ends failed, under the id it began with.
+            failed = [e for e in seen if e.type == "response.failed"]
+            assert len(failed) == 1 and failed[0].response.id == seen[0].response.id, \
+                seen[-3:]
+            assert failed[0].response.status == "failed" and failed[0].response.model == "tiny"
+            a_fresh_child_answers(corral, pid)
+            return
+        assert seen[-1].type in ("response.completed", "response.incomplete"), seen[-3:]
+        a_fresh_child_answers(corral, pid)
+    pytest.fail("the child finished its answer before the kill, five times")
 
 
 def test_a_broken_messages_stream_ends_in_anthropics_error_shape(corral: Corral) -> None:
