@@ -206,9 +206,9 @@ def ready_pid(corral: Corral) -> int:
 
 
 def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
-    # A tiny model's random weights may end its answer (a stop string of the template) before
+    # llama-server honours no ignore_eos on /v1/messages: a tiny model may end its answer before
     # the kill lands: then the stream was whole, and the kill is tried again on a fresh child.
-    for _ in range(5):
+    for _ in range(10):
         pid = ready_pid(corral)
         seen: list[str] = []
         try:
@@ -226,11 +226,11 @@ def test_kill_9_mid_stream_the_anthropic_sdk_raises(corral: Corral) -> None:
             return
         assert seen[-1] == "message_stop", seen  # whole before the kill: no error to raise
         a_fresh_child_answers(corral, pid)
-    pytest.fail("the child finished its answer before the kill, five times")
+    pytest.fail("the child finished its answer before the kill, ten times")
 
 
 def test_kill_9_mid_stream_the_openai_sdk_raises_on_responses(corral: Corral) -> None:
-    for _ in range(5):  # as above: an answer whole before the kill landed is tried again
+    for _ in range(10):  # as above: an answer whole before the kill landed is tried again
         pid = ready_pid(corral)
         seen: list[Any] = []
         try:
@@ -250,7 +250,7 @@ def test_kill_9_mid_stream_the_openai_sdk_raises_on_responses(corral: Corral) ->
             return
         assert seen[-1].type in ("response.completed", "response.incomplete"), seen[-3:]
         a_fresh_child_answers(corral, pid)
-    pytest.fail("the child finished its answer before the kill, five times")
+    pytest.fail("the child finished its answer before the kill, ten times")
 
 
 def test_a_broken_messages_stream_ends_in_anthropics_error_shape(corral: Corral) -> None:
