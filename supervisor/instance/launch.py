@@ -125,14 +125,12 @@ class Launch:
             # In a thread: a backend may ask its binary (llama-server's --help says which
             # draft flags it speaks), and a slow binary must not stall the daemon.
             argv = await asyncio.to_thread(self._backend.argv, self.spec, port)
-        except BinaryNotFound as exc:
+        except BaseException as exc:  # cancelled while the thread ran, too: workers go
             if deployment is not None:
                 await asyncio.shield(deployment.release())
-            # Its message is written for people: how to install the server (the backend's).
-            raise StartFailed(str(exc)) from exc
-        except asyncio.CancelledError:  # stopped while the thread ran: workers go too
-            if deployment is not None:
-                await asyncio.shield(deployment.release())
+            if isinstance(exc, BinaryNotFound):
+                # Its message is written for people: how to install the server (the backend's).
+                raise StartFailed(str(exc)) from exc
             raise
         env = {**self._backend.env(self.spec), **self._backend.auth_env(api_key)}
         process = ChildProcess(self._name, argv, env, keeper=self._keeper,
