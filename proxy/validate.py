@@ -49,7 +49,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
     # Deeper than MAX_DEPTH takes more brackets than that: most bodies are not walked.
-    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(body):
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and too_deep(body):
         raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep",
                        "invalid_json")
     return body
@@ -63,7 +63,8 @@ def _no_constants(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_no_constants)
 
 
-def _too_deep(value: Any) -> bool:
+def too_deep(value: Any) -> bool:
+    """Whether `value` is nested more than MAX_DEPTH levels deep."""
     # Iterative: a recursive walk would need the very stack depth we are guarding.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:

@@ -314,3 +314,23 @@ def test_groups_not_exposed_as_models_need_an_admin_key(start_corral, tiny_model
     by_admin = post("/v1/batch/execute", "admin-key", group="hidden")
     assert by_admin.status_code == 200 and by_admin.json()["complete"]
     assert post("/v1/chain/execute", "admin-key", group="hidden").status_code == 200
+
+
+def test_tool_call_arguments_nested_past_json_s_recursion_limit_stay_text():
+    """A tool call's arguments are a JSON string inside the request (or a member's answer):
+    the body's depth check never saw inside it. Read for a Messages side, text nested past
+    json's own recursion limit (or past MAX_DEPTH) is carried as text, never a RecursionError
+    (a 500 for the client, or a group ended by a hostile member)."""
+    from corral.proxy.families.streams import MessagesWriter
+    from corral.proxy.families.translate import member_request
+
+    for deep in ("[" * 100_000, "[" * 500 + "]" * 500):
+        block = MessagesWriter._tool_use(1, {"function": {"name": "f", "arguments": deep}})
+        assert block["input"] == {"arguments": deep}
+        request = member_request("messages", {"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": deep}}]}]})
+        assert request["messages"][1]["content"][0]["input"] == {"arguments": deep}
+    block = MessagesWriter._tool_use(1, {"function": {"name": "f", "arguments": '{"a": [1]}'}})
+    assert block["input"] == {"a": [1]}

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.proxy.validate import too_deep
+
 
 @dataclass
 class Answer:
@@ -99,6 +101,20 @@ def _call(call_id: Any, name: Any, arguments: Any, n: int) -> dict[str, Any]:
         arguments = json.dumps(arguments or {})
     return {"id": _string(call_id, "tool call's id") or f"call_{n}", "type": "function",
             "function": {"name": name, "arguments": arguments or "{}"}}
+
+
+def arguments_object(raw: Any) -> dict[str, Any]:
+    """A chat tool call's arguments (JSON text) as the object Messages' `tool_use.input`
+    is. Text that is no JSON object still reaches the other side: broken or too deep
+    (a client's or a member's string, which no request's depth check saw) as
+    {"arguments": text}, another JSON value as {"value": ...}."""
+    try:
+        value = json.loads(raw or "{}") if isinstance(raw, str) else raw
+    except (ValueError, RecursionError):  # json raises RecursionError past ~1000 levels
+        return {"arguments": raw}
+    if too_deep(value):  # read, but too deep to be written out again safely
+        return {"arguments": raw}
+    return value if isinstance(value, dict) else {"value": value}
 
 
 def _usage(data: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, ClassVar
 
 from corral.proxy import request_id, sse
-from corral.proxy.families.answers import Answer
+from corral.proxy.families.answers import Answer, arguments_object
 from corral.proxy.families.wire import MESSAGES
 
 Details = dict[str, Any]
@@ -206,13 +206,9 @@ class MessagesWriter(FamilyWriter):
     @staticmethod
     def _tool_use(n: int, call: dict[str, Any]) -> dict[str, Any]:
         function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = {"arguments": function.get("arguments")}
         return {"type": "tool_use", "id": call.get("id") or f"toolu_corral_{n}",
                 "name": function.get("name") or "",
-                "input": arguments if isinstance(arguments, dict) else {"value": arguments}}
+                "input": arguments_object(function.get("arguments"))}
 
     def whole(self, answer: Answer, details: Details) -> dict[str, Any]:
         tokens_in, tokens_out = _tokens(answer)

@@ -14,6 +14,7 @@ from corral.proxy.errors import ApiError
 from corral.proxy.families.answers import (
     Answer,
     NotAnAnswer,
+    arguments_object,
     member_answer,
     part_text,
     stream_chunk,
@@ -365,7 +366,7 @@ def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
                 function = call.get("function") or {}
                 blocks.append({"type": "tool_use", "id": call.get("id"),
                                "name": function.get("name"),
-                               "input": _arguments(function.get("arguments"))})
+                               "input": arguments_object(function.get("arguments"))})
             add(role, blocks)
     out: dict[str, Any] = {
         "model": chat.get("model"), "messages": turns, "stream": False,
@@ -403,10 +404,3 @@ def _message_block(part: dict[str, Any]) -> dict[str, Any]:
                                             "data": data}}
     return {"type": "image", "source": {"type": "url", "url": url}}
 
-
-def _arguments(raw: Any) -> Any:
-    try:
-        value = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        return {"arguments": raw}  # a model's broken JSON still reaches the member, as text
-    return value if isinstance(value, dict) else {"value": value}
