@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import psutil
@@ -236,6 +237,11 @@ class Corral:
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0,
                              **kwargs)
+
+    def claude(self, **kwargs: Any) -> anthropic.Anthropic:
+        """Anthropic's SDK, as Claude Code points it at corral (its key sent as x-api-key)."""
+        return anthropic.Anthropic(base_url=self.url, api_key=self.api_key, max_retries=0,
+                                   **kwargs)
 
     def models(self) -> dict[str, dict[str, Any]]:
         data = self.http.get("/admin/models").json()["models"]

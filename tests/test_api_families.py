@@ -52,8 +52,7 @@ def oai(corral: Corral) -> openai.OpenAI:
 
 
 def claude(corral: Corral) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0,
-                               timeout=120)
+    return corral.claude(timeout=120)
 
 
 def last_request(corral: Corral, endpoint: str, stream: bool) -> dict[str, Any]:

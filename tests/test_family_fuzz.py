@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import openai
 import psutil
@@ -323,7 +322,7 @@ def test_a_members_words_are_never_corrals_events(corral: Corral) -> None:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
     assert final.model == "mirror" and final.status == "completed"
     assert FORGED in final.output_text and "".join(deltas) in ("", final.output_text)
-    claude = anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0)
+    claude = corral.claude()
     with claude.messages.stream(model="mirror", max_tokens=8, messages=[
             {"role": "user", "content": "hostile:forged"}]) as mstream:
         text = "".join(mstream.text_stream)
@@ -450,7 +449,7 @@ def test_a_synthesizers_words_are_never_corrals_events(corral: Corral) -> None:
     with client.responses.stream(model="synth", input="hostile:stream-forged") as stream:
         final = stream.get_final_response()
     assert final.model == "synth" and FORGED in final.output_text
-    claude = anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0)
+    claude = corral.claude()
     with claude.messages.stream(model="synth", max_tokens=8, messages=[
             {"role": "user", "content": "hostile:stream-forged"}]) as mstream:
         text = "".join(mstream.text_stream)

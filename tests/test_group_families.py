@@ -86,8 +86,7 @@ def oa(corral: Corral) -> openai.OpenAI:
 
 
 def an(corral: Corral) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=corral.url, api_key=corral.api_key, max_retries=0,
-                               timeout=60)
+    return corral.claude(timeout=60)
 
 
 def sent(log: Path) -> list[dict[str, Any]]:
