@@ -44,6 +44,19 @@ def _objects(value: Any, where: str, what: str) -> list[dict[str, Any]]:
     return value
 
 
+def _each(value: Any, where: str, what: str, check: Callable[[dict[str, Any], str], None],
+          required: bool = True) -> None:
+    """A string, or a list of objects each passed to `check` (a content list); null only
+    when not `required`."""
+    if value is None:
+        if required:
+            raise bad(f"{where} must be {what}", where)
+        return
+    if not isinstance(value, str):
+        for n, part in enumerate(_objects(value, where, what)):
+            check(part, f"{where}[{n}]")
+
+
 def _need_top(body: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> None:
     value = body.get(key)
     if value is not None and not _is(value, kind):
@@ -94,28 +107,16 @@ def _response_item(item: dict[str, Any], where: str) -> None:
     kind = item.get("type", "message")
     if kind == "message":
         _need(item, "role", str, where, "a string", required=True)
-        content = item.get("content")
-        if content is None:
-            raise bad(f"{where}.content must be a string or a list of content parts",
-                      f"{where}.content")
-        if not isinstance(content, str):
-            for n, part in enumerate(_objects(content, f"{where}.content",
-                                              "a string or a list of content parts")):
-                _response_part(part, f"{where}.content[{n}]")
+        _each(item.get("content"), f"{where}.content", "a string or a list of content parts",
+              _response_part)
     elif kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             _need(item, key, str, where, "a string", required=True)
         _need(item, "id", str, where, "a string")
     elif kind == "function_call_output":
         _need(item, "call_id", str, where, "a string", required=True)
-        output = item.get("output")
-        if output is None:
-            raise bad(f"{where}.output must be a string or a list of content parts",
-                      f"{where}.output")
-        if not isinstance(output, str):
-            for n, part in enumerate(_objects(output, f"{where}.output",
-                                              "a string or a list of content parts")):
-                _response_part(part, f"{where}.output[{n}]")
+        _each(item.get("output"), f"{where}.output", "a string or a list of content parts",
+              _response_part)
     elif kind in ("input_text", "output_text", "input_image"):
         _response_part(item, where)  # a bare part as an item: what the API takes too
 
@@ -139,14 +140,8 @@ def check_messages_api(body: dict[str, Any]) -> None:
         where = f"messages[{n}]"
         if not isinstance(turn, dict) or not _is(turn.get("role"), str):
             raise bad(f"{where} must be an object with a string role", where)
-        content = turn.get("content")
-        if content is None:
-            raise bad(f"{where}.content must be a string or a list of content blocks",
-                      f"{where}.content")
-        if not isinstance(content, str):
-            for m, block in enumerate(_objects(content, f"{where}.content",
-                                               "a string or a list of content blocks")):
-                _block(block, f"{where}.content[{m}]")
+        _each(turn.get("content"), f"{where}.content", "a string or a list of content blocks",
+              _block)
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         for n, block in enumerate(_objects(system, "system", "a string or a list of text "
@@ -185,11 +180,8 @@ def _block(block: dict[str, Any], where: str) -> None:
     elif kind == "tool_result":
         _need(block, "tool_use_id", str, where, "a string", required=True)
         _need(block, "is_error", bool, where, "true or false")
-        content = block.get("content")
-        if content is not None and not isinstance(content, str):
-            for n, part in enumerate(_objects(content, f"{where}.content",
-                                              "a string or a list of content blocks")):
-                _block(part, f"{where}.content[{n}]")
+        _each(block.get("content"), f"{where}.content", "a string or a list of content blocks",
+              _block, required=False)
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
