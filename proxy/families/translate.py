@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from corral.proxy.errors import ApiError
 from corral.proxy.families.answers import (
     Answer,
     NotAnAnswer,
@@ -20,6 +19,7 @@ from corral.proxy.families.answers import (
     stream_chunk,
     text_of,
 )
+from corral.proxy.families.shapes import bad
 from corral.proxy.validate import check_fields
 
 # A member's answer is read in answers.py; the groups take it from here with the requests.
@@ -30,10 +30,6 @@ PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses",
          "messages": "/v1/messages"}
 # A Messages request must say how long an answer may be; a chat request need not.
 DEFAULT_MAX_TOKENS = 4096
-
-
-def bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, "invalid_request", param=param)
 
 
 # -- a client's request, as the chat request a group runs ----------------------------------
