@@ -94,17 +94,16 @@ async def batch_execute(request: web.Request, runner: GroupRunner, body: dict[st
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
-        _count(request, exc.outcome)
+        _count(request[RECORD], exc.outcome)
         return failed_response(exc, runner.daemon)
-    _count(request, outcome)
+    _count(request[RECORD], outcome)
     return web.json_response(outcome.as_dict())
 
 
-def _count(request: web.Request, outcome: GroupOutcome) -> None:
-    """/v1/batch and /v1/chain are accounted like a group asked as a model: under the
-    group's name, with what its members spent."""
+def _count(record: RequestRecord, outcome: GroupOutcome) -> None:
+    """A group's request is accounted under the group's name, with what its members spent
+    (/v1/batch and /v1/chain as a group asked as a model)."""
     usage = outcome.usage()
-    record = request[RECORD]
     record.prompt_tokens = usage["prompt_tokens"]
     record.completion_tokens = usage["completion_tokens"]
 
@@ -122,9 +121,9 @@ async def chain_execute(request: web.Request, runner: GroupRunner, body: dict[st
     try:
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
-        _count(request, exc.outcome)
+        _count(request[RECORD], exc.outcome)
         return failed_response(exc, runner.daemon)
-    _count(request, outcome)
+    _count(request[RECORD], outcome)
     result = outcome.as_dict()
     result["steps"] = result.pop("responses")
     return web.json_response(result)
@@ -190,9 +189,7 @@ async def group_as_model(request: web.Request, runner: GroupRunner, group: Group
         return await _answer(request, runner, group, body, family, record, known)
     finally:
         if known:
-            usage = known[-1].usage()
-            record.prompt_tokens = usage["prompt_tokens"]
-            record.completion_tokens = usage["completion_tokens"]
+            _count(record, known[-1])
 
 
 async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
