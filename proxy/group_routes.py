@@ -244,10 +244,11 @@ async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
     known.append(outcome)
     answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
     end = writer.finish(answer, outcome.as_dict())
-    # The last event, kept as a relayed stream's tail is: a client that hangs up once it is
-    # in got the whole answer (a 200, not a 499).
-    record.tail.append(end)
     await out.write(end)
+    # The last event, kept once it is in the client's transport (a write that failed or was
+    # cancelled put nothing there): a client that hangs up after that got the whole answer
+    # (a 200, not a 499).
+    record.tail.append(end)
     await out.finish()
     return response
 
