@@ -241,6 +241,27 @@ def test_a_second_load_while_the_first_waits_for_room_is_refused(corral: Corral)
     assert flag(argv_of(corral.model("tiny")["pid"]), "--ctx-size") == "2048"
 
 
+def test_a_restart_without_overrides_during_a_load_with_them_is_refused(corral: Corral,
+                                                                        gate: Gate):
+    """A load with overrides has started tiny's child (held starting); a load with restart:
+    true and no overrides asks the config's settings: a 409, not a restart that drops the
+    first load's claim and answers that load 200 over the config's settings."""
+    gate.hold_starts()
+    try:
+        thread, out = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
+        wait_until(gate.started.exists, timeout=20)
+        second = load(corral, "tiny", {"restart": True})
+        assert second.status_code == 409, second.text
+        assert second.json()["error"]["code"] == "settings_differ"
+    finally:
+        gate.open()
+    thread.join(60)
+    answer = out[0]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["overrides"] == {"ctx": 2048}
+    assert flag(argv_of(answer.json()["pid"]), "--ctx-size") == "2048"
+
+
 def test_an_unload_while_the_load_waits_for_room_wins_and_ends_its_claim(corral: Corral):
     """The load with overrides waits for room (other serves a stream); an unload of tiny
     meanwhile: the load answers 503 model_unloaded, and its overrides are no one's: the next

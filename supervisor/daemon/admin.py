@@ -57,9 +57,11 @@ class Admin:
                     + ", ".join(f"{f} {getattr(up[0].started_with, f)}" for f in differs)
                     + "); load it again with \"restart\": true to restart it with these")
         pending = model.overrides
-        if checked and pending and pending != checked:
+        restarts = bool(up) and restart
+        if pending and pending != checked and (checked or restarts):
             # Another load's overrides are under way (its child may not be STARTING yet):
-            # the first one asked wins; this one would get a 200 over settings not its own.
+            # the first one asked wins; this one would get a 200 over settings not its own
+            # (a restart asking none asks the config's, and would drop that load's claim).
             raise SettingsDiffer(
                 f"{model.name} is being loaded with other settings ({_said(pending)}); "
                 f"load it again once that load is done, with \"restart\": true")
@@ -67,7 +69,7 @@ class Admin:
             # Claimed now: a start from here on runs them. A load asking the same joins the
             # claim without owning it: only the load that claimed it ends it.
             model.overrides = checked
-        work = self._restart(model, checked, unloads) if up and restart else \
+        work = self._restart(model, checked, unloads) if restarts else \
             self._load_with(model, checked, unloads)
         await self._tasks.run(work, f"load:{model.name}")
         return model.name
