@@ -334,3 +334,16 @@ def test_tool_call_arguments_nested_past_json_s_recursion_limit_stay_text():
         assert request["messages"][1]["content"][0]["input"] == {"arguments": deep}
     block = MessagesWriter._tool_use(1, {"function": {"name": "f", "arguments": '{"a": [1]}'}})
     assert block["input"] == {"a": [1]}
+
+
+def test_a_stream_head_nested_past_json_s_recursion_limit_is_not_read():
+    """A hostile upstream's first event nested past json's recursion limit (a kilobyte):
+    the stream's head reader skips it as it skips broken JSON, instead of a RecursionError
+    out of the relay mid-stream."""
+    from corral.proxy.families.wire import MESSAGES, RESPONSES
+
+    for wire in (MESSAGES, RESPONSES):
+        head = wire.head()
+        head.feed(b"data: " + b"[" * 5000 + b"\n\n")
+        head.feed(b'data: {"type":"message_start","response":{"id":"r"}}\n\n')
+        assert head.done

@@ -249,7 +249,7 @@ class StreamHead:
                 continue
             try:
                 event = json.loads(line[5:])
-            except ValueError:
+            except (ValueError, RecursionError):  # json's own limit: ~1000 levels
                 continue
             if isinstance(event, dict) and self.wire.read_head(event, self):
                 self._end()
