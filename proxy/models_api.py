@@ -120,12 +120,12 @@ async def _named(request: web.Request, daemon: Supervisor,
     if not isinstance(name, str) or not name:
         raise ApiError(400, "the 'model' field is required (an id from GET /models)",
                        "missing_model", param="model")
+    target = resolve(daemon, name)  # first: the message below quotes a name that exists
     for field in refuse:
         if field in body:
             raise ApiError(400, f"{request.path} loads a model as configured: '{field}' is a "
                            f"load override, which only an admin load takes (POST "
                            f"/admin/models/{name}/load)", "invalid_override", param=field)
-    target = resolve(daemon, name)
     if isinstance(target, GroupTarget):
         return list(target.group.models)
     return [target.name]
