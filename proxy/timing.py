@@ -92,7 +92,6 @@ class RequestRecord:
         `timings`).
         Only those objects are parsed, found from the end: an embeddings answer of megabytes
         is not decoded on the event loop for two numbers."""
-        found: dict[str, Any] = {}
         if len(body) <= _WHOLE_PARSE:
             # A chat answer of a few KB: one parse is cheaper than finding both objects.
             try:
@@ -102,10 +101,7 @@ class RequestRecord:
             if isinstance(data, dict):
                 self._take_usage(data)
             return
-        for key in ("usage", "timings"):
-            value = _object_after(body, key)
-            if value is not None:
-                found[key] = value
+        found = _usage_objects(body)
         if found:
             self._take_usage(found)
 
@@ -136,8 +132,7 @@ class RequestRecord:
         # The last event began before the tail (a Responses stream ends with the whole
         # response, its text included, in one event): its usage is at its end, near the
         # stream's.
-        found = {key: value for key in ("usage", "timings")
-                 if (value := _object_after(text, key)) is not None}
+        found = _usage_objects(text)
         if found:
             self._take_usage(found)
 
@@ -194,6 +189,12 @@ class RequestRecord:
 
 
 _DECODER = json.JSONDecoder()
+
+
+def _usage_objects(body: bytes) -> dict[str, Any]:
+    """The last `usage` and `timings` objects in `body`, found from its end."""
+    return {key: value for key in ("usage", "timings")
+            if (value := _object_after(body, key)) is not None}
 
 
 def _object_after(body: bytes, key: str) -> dict[str, Any] | None:
