@@ -347,3 +347,21 @@ def test_a_stream_head_nested_past_json_s_recursion_limit_is_not_read():
         head.feed(b"data: " + b"[" * 5000 + b"\n\n")
         head.feed(b'data: {"type":"message_start","response":{"id":"r"}}\n\n')
         assert head.done
+
+
+def test_a_members_tool_input_nested_too_deeply_is_not_an_answer():
+    """A hostile Messages member's tool_use input nested hundreds of levels deep (read fine,
+    but json.dumps runs out of stack writing it as chat arguments) is that member's error."""
+    from corral.proxy.families.answers import NotAnAnswer, member_answer
+
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(900):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(NotAnAnswer, match="too deeply"):
+        member_answer("messages", {"content": [
+            {"type": "tool_use", "id": "i", "name": "f", "input": deep}]})
+    shallow = member_answer("messages", {"content": [
+        {"type": "tool_use", "id": "i", "name": "f", "input": {"a": [1]}}]})
+    assert shallow.tool_calls[0]["function"]["arguments"] == '{"a": [1]}'

@@ -98,6 +98,8 @@ def _call(call_id: Any, name: Any, arguments: Any, n: int) -> dict[str, Any]:
     if not isinstance(arguments, str):
         if arguments is not None and not isinstance(arguments, dict):
             raise NotAnAnswer("its tool call's arguments are neither JSON text nor an object")
+        if too_deep(arguments):  # json.dumps would run out of stack on it
+            raise NotAnAnswer("its tool call's arguments are nested too deeply")
         arguments = json.dumps(arguments or {})
     return {"id": _string(call_id, "tool call's id") or f"call_{n}", "type": "function",
             "function": {"name": name, "arguments": arguments or "{}"}}
