@@ -16,12 +16,14 @@ KV type override asks) until the test lets it go: the test waits on files, not d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,18 @@ def in_background(fn: Any) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+@contextlib.contextmanager
+def streaming(corral: Corral, model: str) -> Iterator[Iterator[str]]:
+    """A stream of `model` that lasts, its first event in: the model serves it until the
+    block ends (its client hangs up). Its lines, for a test that reads on."""
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": model, "stream": True, "max_tokens": 100000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
+        next(line for line in lines if line.startswith("data:"))
+        yield lines
+
+
 def argv_of(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
@@ -170,11 +184,7 @@ def test_an_unload_during_a_restart_with_overrides_wins(corral: Corral):
     hang-up), the model stopped."""
     corral.expect(allow="was unloaded while this load was under way")
     assert load(corral, "tiny").status_code == 200
-    with corral.http.stream("POST", "/v1/chat/completions", json={
-            "model": "tiny", "stream": True, "max_tokens": 100000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "hi"}]}) as stream:
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
+    with streaming(corral, "tiny") as lines:
         thread, out = in_background(
             lambda: load(corral, "tiny", {"ctx": 2048, "restart": True}))
         wait_until(lambda: corral.model("tiny")["model_state"] == "restarting")
@@ -220,11 +230,7 @@ def test_a_second_load_while_the_first_waits_for_room_is_refused(corral: Corral)
     max_loaded is reached), so no child of tiny is starting yet: a load with other settings
     is a 409, not a 200 that takes over the first one's start."""
     assert load(corral, "other").status_code == 200
-    with corral.http.stream("POST", "/v1/chat/completions", json={
-            "model": "other", "stream": True, "max_tokens": 100000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "hi"}]}) as stream:
-        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
-        next(line for line in lines if line.startswith("data:"))
+    with streaming(corral, "other"):
         thread, out = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
         wait_until(lambda: corral.model("tiny")["queue"] > 0)
         assert corral.model("tiny")["state"] == "stopped"
@@ -268,11 +274,7 @@ def test_an_unload_while_the_load_waits_for_room_wins_and_ends_its_claim(corral:
     plain load runs the config."""
     corral.expect(allow="was unloaded while")
     assert load(corral, "other").status_code == 200
-    with corral.http.stream("POST", "/v1/chat/completions", json={
-            "model": "other", "stream": True, "max_tokens": 100000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "hi"}]}) as stream:
-        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
-        next(line for line in lines if line.startswith("data:"))
+    with streaming(corral, "other"):
         thread, out = in_background(lambda: load(corral, "tiny", {"ctx": 2048}))
         wait_until(lambda: corral.model("tiny")["queue"] > 0)
         assert corral.http.post("/admin/models/tiny/unload").status_code == 200
