@@ -280,7 +280,7 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
     upstream.release()
     try:
         data = json.loads(raw) if raw else None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # a hostile upstream nests deep
         raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
     if upstream.status != 200:
         error = data.get("error") if isinstance(data, dict) else None

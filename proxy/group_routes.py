@@ -350,7 +350,7 @@ async def _events(upstream: ChildResponse, model: str) -> AsyncGenerator[dict[st
                     event = json.loads(line[6:])
                     if isinstance(event, dict):
                         yield event
-    except (ChildHttpError, ValueError) as exc:
+    except (ChildHttpError, ValueError, RecursionError) as exc:
         raise UpstreamFailed(f"{model} broke off its stream: "
                              f"{exc or type(exc).__name__}") from exc
 

@@ -27,7 +27,7 @@ def rename_request(body: Any, served_name: str) -> Any:
     if isinstance(body, (bytes, bytearray)):
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # a hostile upstream nests deep
             return body  # not JSON: the server says what it makes of it
         if isinstance(data, dict):
             return _dumps({**data, "model": served_name})
@@ -41,7 +41,7 @@ def rename_answer(payload: bytes, served_name: str, model: str, wire: Wire = CHA
         return payload
     try:
         data = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # a hostile upstream nests deep
         return payload
     return _dumps(data) if wire.rename(data, served_name, model) else payload
 
@@ -78,7 +78,7 @@ class StreamRenamer:
         body = line[5:].strip()
         try:
             event = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # a hostile upstream nests deep
             return line
         if not self._wire.rename(event, self._served, self._model):
             return line

@@ -96,7 +96,7 @@ class RequestRecord:
             # A chat answer of a few KB: one parse is cheaper than finding both objects.
             try:
                 data = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):  # a hostile upstream nests deep
                 return
             if isinstance(data, dict):
                 self._take_usage(data)
@@ -124,7 +124,7 @@ class RequestRecord:
                 continue
             try:
                 data = json.loads(line[6:])
-            except ValueError:
+            except (ValueError, RecursionError):  # a hostile upstream nests deep
                 continue
             if isinstance(data, dict):
                 self._take_usage(data)
@@ -209,7 +209,7 @@ def _object_after(body: bytes, key: str) -> dict[str, Any] | None:
     text = body[colon + 1:colon + 1 + 16384].decode("utf-8", "replace").lstrip()
     try:
         value, _ = _DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a hostile upstream nests deep
         return None
     return value if isinstance(value, dict) else None
 

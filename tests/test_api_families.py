@@ -405,3 +405,19 @@ def test_the_relay_adds_a_missing_message_start_and_leaves_a_present_one() -> No
     started.feed(b'event: message_start\ndata: {"type":"message_start","message":'
                  b'{"usage":{"input_tokens":7}}}\n\n')
     assert started.tokens_in == 7 and MESSAGES.start(started, "m") == b""
+
+
+def test_json_nested_past_pythons_recursion_limit_from_upstream_is_passed_on_not_raised() -> None:
+    """json raises RecursionError, not ValueError, on deep input: a hostile upstream's answer
+    or event must be relayed as it is (not renamed, not counted), never a 500 mid-relay."""
+    from corral.proxy.rename import StreamRenamer, rename_answer
+    from corral.proxy.timing import RequestRecord
+
+    deep = b'{"model":"s","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert rename_answer(deep, "s", "m") == deep
+    assert StreamRenamer("s", "m").feed(b"data: " + deep + b"\n") == b"data: " + deep + b"\n"
+    record = RequestRecord("m", "/v1/chat/completions", stream=True)
+    record.read_usage(b'{"usage":' + b"[" * 5000 + b"]" * 5000 + b"}" + b" " * 20000)
+    record.tail.append(b'data: {"usage":' + b"[" * 5000 + b"]" * 5000 + b"}\n\n")
+    record.read_stream_tail()
+    assert record.prompt_tokens is None and record.completion_tokens is None
