@@ -297,7 +297,9 @@ def test_admin_load_unload_with_hostile_names(corral: Corral, name: str, action:
                                               encoded: bool) -> None:
     segment = quote(name, safe="") if encoded else quote(name, safe="/.%?#")
     resp = corral.http.post(f"/admin/models/{segment}/{action}")
-    check(seen(resp))
+    # Unencoded, a '#' ends the path: "/admin/models/.#x/load" is a POST to /admin/models/.,
+    # which the client normalises to /admin/models (GET only): 405 is the right answer there.
+    check(seen(resp), also=frozenset() if encoded else frozenset({405}))
     if encoded:  # one path segment naming no model: nothing to load
         assert resp.status_code == 404, resp.text[:300]
 
