@@ -138,6 +138,9 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
             if record is not None:
                 record.first_bytes()
                 record.answer = payload  # its usage is read once it is sent (finish)
+                if lease.restored is not None:
+                    record.read_usage(payload)  # now: the prompt cache checks its restore
+                    lease.reused(record.cache_n)
             if lease.served_name is not None:
                 payload = rename_answer(payload, lease.served_name, lease.model, wire)
             if started is not None:
@@ -259,6 +262,8 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
         # stream ended here; the tokens it got were generated and count all the same.
         if record is not None:
             record.read_stream_tail()
+            if lease.restored is not None:
+                lease.reused(record.cache_n)  # the prompt cache checks its restore
     return out.response
 
 
@@ -290,4 +295,8 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         raise UpstreamFailed(f"{model} answered with non-object JSON")
     if lease.served_name is not None and data.get("model") == lease.served_name:
         data["model"] = lease.model
+    if lease.restored is not None:  # the prompt cache checks its restore
+        timings = data.get("timings")
+        cache_n = timings.get("cache_n") if isinstance(timings, dict) else None
+        lease.reused(cache_n if type(cache_n) is int else None)
     return data

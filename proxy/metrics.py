@@ -105,8 +105,8 @@ class Metrics:
         self.client_write_timeouts = Counter(
             "corral_client_write_timeouts", "Clients cut off after taking no bytes for "
             "client_write_timeout seconds, by the model answering them", model, registry=r)
-        self.cache_saves = Counter("corral_prompt_cache_saves", "Slots saved to disk at a "
-                                   "stop (the prompt cache)", model, registry=r)
+        self.cache_saves = Counter("corral_prompt_cache_saves", "Slots saved to disk (the "
+                                   "prompt cache: at idle and at a stop)", model, registry=r)
         self.cache_saved_bytes = Counter("corral_prompt_cache_saved_bytes", "Bytes of slots "
                                          "saved to disk", model, registry=r)
         self.cache_restores = Counter("corral_prompt_cache_restores", "Saved slots restored "
@@ -117,6 +117,10 @@ class Metrics:
         self.cache_dropped = Counter("corral_prompt_cache_dropped", "Saved slots deleted "
                                      "(budget, superseded, truncated, refused)", model,
                                      registry=r)
+        self.cache_unused_restores = Counter(
+            "corral_prompt_cache_unused_restores", "Restores whose tokens the child's answer "
+            "did not reuse (timings.cache_n); the first turns that setup's restores off",
+            model, registry=r)
         self.cache_prefill_saved = Counter(
             "corral_prompt_cache_prefill_saved_seconds", "Prefill time the restored tokens "
             "would have taken, estimated at the child's prefill speed for the request", model,
@@ -187,6 +191,8 @@ class Metrics:
             self.cache_restored_tokens.labels(data["model"]).inc(data["tokens"])
         elif kind == "prompt_cache_dropped":
             self.cache_dropped.labels(data["model"]).inc()
+        elif kind == "prompt_cache_restore_unused":
+            self.cache_unused_restores.labels(data["model"]).inc()
         elif kind == "reload":
             self.reloads.labels("ok" if data["ok"] else "failed").inc()
         elif kind == "group":

@@ -44,6 +44,7 @@ class RequestRecord:
     pid: int | None = None
     restored: Restored | None = None  # the prompt cache restored a saved prefix for it
     prompt_ms_per_token: float | None = None  # the child's prefill speed for this request
+    cache_n: int | None = None  # prompt tokens the child took from its cache (llama-server)
     tail: collections.deque[bytes] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
     # A whole answer, kept until finish() reads its usage: after it was sent, not before.
@@ -144,6 +145,7 @@ class RequestRecord:
             self.completion_tokens = tokens_out
         timings = data.get("timings")
         if isinstance(timings, dict):
+            self.cache_n = _int(timings.get("cache_n"))
             # llama-server's own figures: the prompt it evaluated (cache hits excluded) and
             # the tokens it generated, with its generation speed.
             if self.completion_tokens is None:

@@ -60,6 +60,8 @@ class Restored:
 
     tokens: int  # prompt tokens the child had no need to prefill again
     seconds: float  # the restore's cost (tokenizing the request included)
+    file: str = ""  # the file restored, and the setup it was saved under (the cache's key)
+    key: str = ""
 
 
 class PromptSlots(Protocol):
@@ -68,6 +70,7 @@ class PromptSlots(Protocol):
     async def pin(self, lease: Lease, url: str, body: Any,
                   parsed: dict[str, Any] | None = None) -> Any: ...
     def unpin(self, lease: Lease) -> None: ...
+    def verify(self, restored: Restored, cache_n: int | None) -> None: ...
 
 
 class LeaseOwner(Protocol):
@@ -116,6 +119,13 @@ class Lease:
         if self._prompt_slots is None or self.slot is not None:
             return body
         return await self._prompt_slots.pin(self, url, body, parsed)
+
+    def reused(self, cache_n: int | None) -> None:
+        """The child's answer said it took `cache_n` prompt tokens from its cache
+        (`timings.cache_n`; None: it did not say). Only read after a restore: one the child
+        did not reuse turns restores of that setup off (the prompt cache's verify)."""
+        if self.restored is not None and self._prompt_slots is not None:
+            self._prompt_slots.verify(self.restored, cache_n)
 
     def release(self) -> None:
         if not self._released:

@@ -385,6 +385,8 @@ class Instance:
                     and not (watch is not None and watch.unresponsive
                              and watch.process is process):
                 await slots.save_all()  # bounded by save_timeout; never raises
+            if slots is not None:
+                slots.close()  # no idle save of a child that goes
             if process is not None:
                 await process.stop(self.spec.stop_grace)
                 if process.alive():
@@ -444,6 +446,8 @@ class Instance:
             started_with = dataclasses.replace(started_with,
                                                slot_save_path=self._prompt_cache.store.dir)
         self.started_with = started_with
+        if self.prompt_slots is not None:
+            self.prompt_slots.close()  # a child that died: its slots are no one's to save
         self.prompt_slots = None
         restart = self.state is State.FAILED
         if restart:
@@ -503,7 +507,7 @@ class Instance:
             self.prompt_slots = cache.slots(
                 model=self.model, instance=self.name, spec=spec, binary=process.argv[0],
                 base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
-                session=session)
+                session=session, busy=lambda: self.in_flight > 0)
         self._swap(State.STARTING, State.READY)
         self._watch = ChildWatch(
             self.name, process, session, port=self.port or 0,

@@ -1,11 +1,11 @@
-"""The prompt cache: a llama-server child's slots saved to disk (`/slots/N?action=save`) when it
-stops, and restored into an empty slot (`action=restore`) when a request continues one of
-those conversations, so the next turn after a swap, an eviction or a corral restart does not
-prefill the whole conversation again.
+"""The prompt cache: a llama-server child's slots saved to disk (`/slots/N?action=save`) once
+it is idle and when it stops, and restored into an empty slot (`action=restore`) when a
+request continues one of those conversations, so the next turn after a swap, an eviction
+or a corral restart does not prefill the whole conversation again.
 
 `PromptCache` (one per daemon) holds the store (store.py) and what makes a KV cache
 compatible (`cache_key`); each running child gets a `Slots` (slots.py), which pins requests to
-slots and saves and restores them."""
+slots (choice.py) and restores them, and a `Saver` (saver.py), which saves them."""
 
 from __future__ import annotations
 
@@ -85,13 +85,15 @@ class PromptCache:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
     def slots(self, *, model: str, instance: str, spec: ModelSpec, binary: str, base_url: str,
-              headers: dict[str, str], session: aiohttp.ClientSession) -> Slots:
+              headers: dict[str, str], session: aiohttp.ClientSession,
+              busy: Callable[[], bool] = lambda: False) -> Slots:
+        """`busy`: whether the child has a request in flight (no idle save then)."""
         from corral.supervisor.prompt_cache.slots import Slots
 
         return Slots(self, model=model, instance=instance, spec=spec, binary=binary,
-                     base_url=base_url, headers=headers, session=session)
+                     base_url=base_url, headers=headers, session=session, busy=busy)
 
     def status(self) -> dict[str, object]:
         settings = self.settings()
         return {"enabled": settings.enabled, "min_tokens": settings.min_tokens,
-                **self.store.status()}
+                "idle_save_after": settings.idle_save_after, **self.store.status()}

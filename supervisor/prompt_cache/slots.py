@@ -12,10 +12,9 @@ prompt and reuses only their common prefix. Both are bounded in time and skipped
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -24,77 +23,45 @@ import structlog
 
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.port import Lease, Restored
-from corral.supervisor.prompt_cache.store import SUFFIX, Entry, fingerprint
+from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record, conversation
+from corral.supervisor.prompt_cache.saver import Saver
+from corral.supervisor.prompt_cache.store import Entry
 
 if TYPE_CHECKING:
     from corral.supervisor.prompt_cache import PromptCache
 
+__all__ = ["Record", "Slots"]
+
 log = structlog.get_logger("corral.prompt_cache")
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-# Request fields that are not the prompt: left out when corral asks the child for its tokens.
-_NOT_PROMPT = ("id_slot", "stream", "stream_options", "n_probs", "max_tokens")
-
-
-@dataclasses.dataclass(slots=True)
-class Record:
-    """The last request a slot served: what its KV cache begins with. Kept as it came (bytes
-    or a dict) and parsed only when its tokens are needed (a restore, a save)."""
-
-    path: str
-    raw: bytes | dict[str, Any]
-    tokens: list[int] | None = None  # known when a restore tokenized it already
-    used: float = 0.0
-    _body: dict[str, Any] | None = None
-
-    def size(self) -> int:
-        raw = self.raw
-        return len(raw) if isinstance(raw, (bytes, bytearray)) else len(json.dumps(raw))
-
-    @property
-    def body(self) -> dict[str, Any]:
-        """The request without the fields that are not its prompt."""
-        if self._body is None:
-            parsed = json.loads(self.raw) if isinstance(self.raw, (bytes, bytearray)) \
-                else self.raw
-            if not isinstance(parsed, dict):
-                raise ValueError("the request body is not a JSON object")
-            self._body = {k: v for k, v in parsed.items() if k not in _NOT_PROMPT}
-        return self._body
-
-
-def _conversation(path: str, body: dict[str, Any]) -> list[Any] | str | None:
-    if path == CHAT:
-        messages = body.get("messages")
-        return messages if isinstance(messages, list) else None
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else None
-
-
-def _shared(old: list[Any] | str, new: list[Any] | str) -> tuple[int, bool]:
-    """(how much of `old` begins `new`, whether all of it does) for messages or text."""
-    if type(old) is not type(new):
-        return 0, False
-    if isinstance(old, str):  # a completion prompt: only a continuation counts (C speed)
-        return (len(old), True) if isinstance(new, str) and new.startswith(old) else (0, False)
-    n = min(len(old), len(new))
-    i = 0
-    while i < n and old[i] == new[i]:
-        i += 1
-    return i, i == len(old)
+# A restore counts as reused when the child's answer says it took at least this share of the
+# restored tokens from its cache (`timings.cache_n`). Never all of them: llama-server
+# evaluates the prompt's last token again, and a model with sliding-window or recurrent
+# layers goes back to its last checkpoint. The failure seen (llama.cpp #26676, #25913) is all
+# or nothing: a cache_n of 0 or a handful after a restore of thousands.
+REUSED_SHARE = 0.5
 
 
 class Slots:
     def __init__(self, cache: PromptCache, *, model: str, instance: str, spec: ModelSpec,
                  binary: str, base_url: str, headers: dict[str, str],
-                 session: aiohttp.ClientSession):
+                 session: aiohttp.ClientSession, busy: Callable[[], bool] = lambda: False):
         self._cache = cache
         self.model, self.instance, self.spec, self.binary = model, instance, spec, binary
         self._base, self._headers, self._session = base_url, headers, session
-        self.records: list[Record | None] = [None] * spec.parallel
+        self._choice = Choice(spec.parallel)
+        self.records = self._choice.records  # each slot's last request (None: empty)
         self._leased: dict[int, Lease] = {}
         self._key: str | None = None
         self._log = log.bind(model=model, instance=instance)
+        self.saver = Saver(self, cache, busy, self._log)
+
+    @property
+    def cache(self) -> PromptCache:
+        return self._cache
+
+    def leased(self, slot: int) -> bool:
+        return slot in self._leased
 
     async def key(self) -> str:
         if self._key is None:
@@ -105,11 +72,15 @@ class Slots:
 
     async def pin(self, lease: Lease, url: str, body: Any,
                   parsed: dict[str, Any] | None = None) -> Any:
+        # A request for this child: an idle save not yet sent to it waits for the next idle
+        # time (the child would make the request wait for the save).
+        self.saver.request_came()
         # The relay's URL is this child's base and a path: split only what is not.
         rest = url[len(self._base):]
         path = rest if url.startswith(self._base) and rest[:1] == "/" else urlsplit(url).path
         if path not in (CHAT, COMPLETIONS):
             return body  # embeddings and the rest: no conversation to keep
+        choice = self._choice
         if len(self.records) == 1:
             # One slot: llama-server can use no other, so the body goes as it is (not parsed
             # on the hot path: only a restore or a save reads it).
@@ -120,7 +91,7 @@ class Slots:
             record = Record(path, body, used=time.monotonic())
             if self.records[0] is None:
                 await self._restore(lease, 0, record)
-            self.records[0] = record
+            choice.take(0, record)
             return body
         if parsed is None:
             try:
@@ -129,17 +100,17 @@ class Slots:
                 return body  # the child answers that itself
         if not isinstance(parsed, dict):
             return body
-        conversation = _conversation(path, parsed)
-        free = [i for i in range(len(self.records)) if i not in self._leased]
-        if conversation is None or not free:
+        conv = conversation(path, parsed)
+        slot = choice.choose(path, conv) if conv is not None else None
+        if slot is None:
             return body
-        slot = self._choose(free, path, conversation)
         self._leased[slot] = lease
         lease.slot = slot
         record = Record(path, parsed, used=time.monotonic())
-        if self.records[slot] is None:
+        empty = self.records[slot] is None
+        choice.take(slot, record)  # leased now: no other request gets it while it restores
+        if empty:
             await self._restore(lease, slot, record)
-        self.records[slot] = record
         if not isinstance(body, (bytes, bytearray)):
             return {**parsed, "id_slot": slot}
         if "id_slot" not in parsed:
@@ -156,35 +127,27 @@ class Slots:
     def unpin(self, lease: Lease) -> None:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
+            self._choice.release(lease.slot)
+            self.saver.turn_ended()
 
-    def _choose(self, free: list[int], path: str, conversation: list[Any] | str) -> int:
-        """The slot this request continues (its last request is all a prefix of this one),
-        else an empty one (a new conversation keeps the others' caches), else the one
-        sharing most with it, else the least recently used."""
-        best, best_len, whole = None, 0, False
-        for i in free:
-            rec = self.records[i]
-            old = _conversation(rec.path, rec.body) if rec is not None else None
-            if old is None or rec is None or rec.path != path:
-                continue
-            shared, all_of_it = _shared(old, conversation)
-            if (all_of_it, shared) > (whole, best_len) and shared > 0:
-                best, best_len, whole = i, shared, all_of_it
-        if best is not None and whole:
-            return best
-        empty = next((i for i in free if self.records[i] is None), None)
-        if empty is not None:
-            return empty
-        if best is not None:
-            return best
-        return min(free, key=lambda i: r.used if (r := self.records[i]) else 0.0)
+    def close(self) -> None:
+        """The child is going (or gone): no idle save begins any more."""
+        self.saver.close()
+
+    async def save_all(self) -> None:
+        """At a stop, before the child goes (Saver.at_stop): never raises."""
+        await self.saver.at_stop()
 
     # -- the child's words -----------------------------------------------------------------------
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
         async with self._session.post(self._base + path, json=payload,
                                       headers=self._headers) as resp:
             return resp.status, await resp.json(content_type=None)
+
+    async def listing(self) -> Any:
+        async with self._session.get(self._base + "/slots", headers=self._headers) as resp:
+            return await resp.json(content_type=None)
 
     async def tokens(self, record: Record) -> list[int]:
         """The tokens llama-server makes of the request: its chat template applied, then
@@ -192,14 +155,14 @@ class Slots:
         if record.tokens is not None:
             return record.tokens
         if record.path == CHAT:
-            status, data = await self._post("/apply-template", record.body)
+            status, data = await self.post("/apply-template", record.body)
             if status != 200 or not isinstance(data.get("prompt"), str):
                 raise RuntimeError(f"/apply-template answered {status}")
             prompt = data["prompt"]
         else:
             prompt = record.body["prompt"]
-        status, data = await self._post("/tokenize", {"content": prompt, "add_special": True,
-                                                      "parse_special": True})
+        status, data = await self.post("/tokenize", {"content": prompt, "add_special": True,
+                                                     "parse_special": True})
         tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise RuntimeError(f"/tokenize answered {status}")
@@ -220,7 +183,12 @@ class Slots:
         try:
             async with asyncio.timeout(settings.restore_timeout):
                 key = await self.key()
-                if not store.has_key(key):
+                if not store.has_key(key) or key in store.off:
+                    return
+                if not store.may_match(key, record.head):
+                    # No file of this setup began as this request does: not one can share
+                    # a file's worth with it, and the child is not asked for its tokens.
+                    store.counters.misses += 1
                     return
                 tokens = await self.tokens(record)
                 found = store.best(key, tokens, settings.min_tokens)
@@ -233,7 +201,7 @@ class Slots:
                     store.drop(entry, problem)
                     store.counters.misses += 1
                     return
-                status, data = await self._post(f"/slots/{slot}?action=restore",
+                status, data = await self.post(f"/slots/{slot}?action=restore",
                                                 {"filename": entry.file})
         except Exception as exc:
             store.counters.misses += 1
@@ -247,72 +215,26 @@ class Slots:
             return
         seconds = time.monotonic() - began
         store.used(entry, shared)
-        lease.restored = Restored(tokens=shared, seconds=seconds)
+        lease.restored = Restored(tokens=shared, seconds=seconds, file=entry.file, key=key)
         self._log.info("prompt_cache.restored", slot=slot, file=entry.file, tokens=shared,
                        ms=round(seconds * 1000, 1))
         cache.events.publish("prompt_cache_restored", model=self.model, instance=self.instance,
                              slot=slot, file=entry.file, tokens=shared,
                              seconds=round(seconds, 4))
 
-    # -- save ----------------------------------------------------------------------------------
-
-    async def save_all(self) -> None:
-        """At a stop, before the child goes: every idle slot holding at least min_tokens is
-        saved. Bounded by save_timeout and never raises: a stop must never hang on it."""
-        settings = self._cache.settings()
-        # A request whose body is shorter than half of min_tokens in bytes cannot have filled
-        # a slot with min_tokens tokens (a token is a byte of text or more, and the template
-        # adds a few dozen): not worth asking the child, which may be the one not answering.
-        todo = [i for i, r in enumerate(self.records) if r is not None and i not in self._leased
-                and r.size() * 2 >= settings.min_tokens]
-        if not todo or not self.spec.prompt_cache or not settings.enabled:
+    def verify(self, restored: Restored, cache_n: int | None) -> None:
+        """The child's answer to a request whose slot was restored said it took `cache_n`
+        prompt tokens from its cache: a restore it did not reuse (llama.cpp can load a file
+        and then prefill everything again) is a miss, an event, and no more restores of
+        that setup (each costs a file's read and gains nothing)."""
+        if cache_n is None or cache_n >= restored.tokens * REUSED_SHARE:
             return
-        try:
-            async with asyncio.timeout(settings.save_timeout):
-                # A child that does not say what its slots hold within a health probe's
-                # time is not asked to write them either.
-                async with asyncio.timeout(self.spec.health_timeout), \
-                        self._session.get(self._base + "/slots", headers=self._headers) as resp:
-                    listing = await resp.json(content_type=None)
-                held = {s.get("id"): s.get("n_prompt_tokens", 0) for s in listing
-                        if isinstance(s, dict)} if isinstance(listing, list) else {}
-                for slot in todo:
-                    n = int(held.get(slot) or 0)
-                    if n < settings.min_tokens:
-                        continue
-                    room = self._cache.store.room_for(await self.key(), n)
-                    if room is not None:
-                        self._log.info("prompt_cache.save_skipped", slot=slot, tokens=n,
-                                       reason=room)
-                        continue
-                    try:
-                        await self._save(slot)
-                    except (ValueError, RuntimeError, OSError, aiohttp.ClientError) as exc:
-                        self._log.warning("prompt_cache.save_skipped", slot=slot,
-                                          error=str(exc) or type(exc).__name__)
-        except Exception as exc:
-            self._log.warning("prompt_cache.save_cut_short", error=str(exc) or type(exc).__name__,
-                              timeout=settings.save_timeout)
-
-    async def _save(self, slot: int) -> None:
-        record = self.records[slot]
-        assert record is not None
-        tokens = await self.tokens(record)
-        key = await self.key()
-        name = f"{secrets.token_hex(12)}{SUFFIX}"
-        began = time.monotonic()
-        status, data = await self._post(f"/slots/{slot}?action=save", {"filename": name})
-        if status != 200 or not isinstance(data, dict):
-            raise RuntimeError(f"slot {slot}: save answered {status}: {str(data)[:200]}")
         store = self._cache.store
-        size, digest = await asyncio.to_thread(fingerprint, store.dir / name)
-        now = time.time()
-        store.add(Entry(file=name, key=key, model=self.model, tokens=tokens,
-                        n_tokens=int(data.get("n_saved") or len(tokens)), bytes=size,
-                        fingerprint=digest, saved_at=now, last_used=now))
-        seconds = time.monotonic() - began
-        self._log.info("prompt_cache.saved", slot=slot, file=name, tokens=len(tokens),
-                       bytes=size, ms=round(seconds * 1000, 1))
-        self._cache.events.publish("prompt_cache_saved", model=self.model,
-                                   instance=self.instance, slot=slot, file=name,
-                                   tokens=len(tokens), bytes=size, seconds=round(seconds, 4))
+        first = restored.key not in store.off
+        store.restore_unused(restored.key, f"{restored.file}: {cache_n} of "
+                                           f"{restored.tokens} restored tokens reused")
+        self._log.warning("prompt_cache.restore_unused", file=restored.file,
+                          tokens=restored.tokens, cache_n=cache_n, restores_off=first)
+        self._cache.events.publish("prompt_cache_restore_unused", model=self.model,
+                                   instance=self.instance, file=restored.file,
+                                   tokens=restored.tokens, cache_n=cache_n)

@@ -9,6 +9,7 @@ so a file that changed on disk is deleted, never handed to a child."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,10 @@ class Entry:
     fingerprint: str
     saved_at: float
     last_used: float
+    # What the request's text began with, before any tokenizing (slots.head_of): a request
+    # whose head no entry of its setup has is never tokenized for a restore. None: unknown
+    # (an index written before heads were kept), so any request of the setup may match.
+    head: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -75,6 +80,7 @@ class Counters:
     restored_tokens: int = 0
     misses: int = 0
     dropped: int = 0
+    unused_restores: int = 0  # restores the child's answer showed it did not reuse
 
 
 class Store:
@@ -87,6 +93,13 @@ class Store:
         self._max_bytes = max_bytes  # read at each save: a reload may change the budget
         self._on_drop = on_drop
         self.entries: dict[str, Entry] = {}
+        # The same entries by setup, and how many of each setup's entries have each head: a
+        # restore's look-up is a dict's, never a scan of every file.
+        self._by_key: dict[str, dict[str, Entry]] = {}
+        self._heads: dict[str, collections.Counter[str | None]] = {}
+        # Setups whose restores the child was seen not to reuse (verify_restore): no more
+        # restores of them until a restart (a reload that changes the setup changes its key).
+        self.off: dict[str, str] = {}
         self.counters = Counters()
         # Bytes per token of the last file saved for each setup: a save that could not fit
         # the budget (or the disk) is not written at all.
@@ -109,9 +122,10 @@ class Store:
         except (OSError, ValueError) as exc:
             log.warning("prompt_cache.index_unreadable", dir=str(self.dir), error=str(exc))
         fields = {f.name for f in dataclasses.fields(Entry)}
+        optional = {"head"}  # absent from an index written by an older corral
         for item in raw:
             try:
-                entry = Entry(**{k: item[k] for k in fields})
+                entry = Entry(**{k: item[k] for k in fields if k in item or k not in optional})
             except (KeyError, TypeError):
                 continue
             if os.path.basename(entry.file) != entry.file or not entry.file.endswith(SUFFIX):
@@ -120,7 +134,7 @@ class Store:
             if problem is not None:
                 self.drop(entry, problem)
                 continue
-            self.entries[entry.file] = entry
+            self._remember(entry)
             self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
         for path in self.dir.glob(f"*{SUFFIX}"):
             if path.name not in self.entries:
@@ -151,7 +165,7 @@ class Store:
 
     def drop(self, entry: Entry, reason: str) -> None:
         """Forget a file and delete it."""
-        self.entries.pop(entry.file, None)
+        self._forget(entry)
         (self.dir / entry.file).unlink(missing_ok=True)
         self.counters.dropped += 1
         log.info("prompt_cache.dropped", file=entry.file, model=entry.model, reason=reason)
@@ -161,16 +175,33 @@ class Store:
     def add(self, entry: Entry) -> None:
         """A file llama-server just wrote. Files of the same setup whose prompt is a prefix of
         this one's are superseded (this one holds all they hold); then the budget."""
-        for old in list(self.entries.values()):
-            if old.key == entry.key and len(old.tokens) <= len(entry.tokens) \
+        for old in list(self._by_key.get(entry.key, {}).values()):
+            if len(old.tokens) <= len(entry.tokens) \
                     and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
                 self.drop(old, "superseded by a longer save of the same conversation")
-        self.entries[entry.file] = entry
+        self._remember(entry)
         self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
         self.counters.saves += 1
         self.counters.saved_bytes += entry.bytes
         self._fit_budget()
         self._write()
+
+    def _remember(self, entry: Entry) -> None:
+        self.entries[entry.file] = entry
+        self._by_key.setdefault(entry.key, {})[entry.file] = entry
+        self._heads.setdefault(entry.key, collections.Counter())[entry.head] += 1
+
+    def _forget(self, entry: Entry) -> None:
+        if self.entries.pop(entry.file, None) is None:
+            return
+        of_key = self._by_key.get(entry.key, {})
+        of_key.pop(entry.file, None)
+        heads = self._heads[entry.key]
+        heads[entry.head] -= 1
+        if heads[entry.head] <= 0:
+            del heads[entry.head]
+        if not of_key:
+            del self._by_key[entry.key], self._heads[entry.key]
 
     def _fit_budget(self) -> None:
         budget = self._max_bytes()
@@ -200,16 +231,28 @@ class Store:
         """The file of this setup sharing the longest prefix with `tokens` (at least
         `min_tokens` of it), and that length."""
         found: tuple[Entry, int] | None = None
-        for entry in self.entries.values():
-            if entry.key != key:
-                continue
+        for entry in self._by_key.get(key, {}).values():
             shared = common_prefix(entry.tokens, tokens)
             if shared >= min_tokens and (found is None or shared > found[1]):
                 found = (entry, shared)
         return found
 
     def has_key(self, key: str) -> bool:
-        return any(e.key == key for e in self.entries.values())
+        return key in self._by_key
+
+    def may_match(self, key: str, head: str | None) -> bool:
+        """Whether any file of this setup could share a prefix with a request that begins
+        with `head` (restores of the setup not turned off): when not, the child is not asked
+        for the request's tokens at all."""
+        heads = self._heads.get(key)
+        if heads is None or key in self.off:
+            return False
+        return head is None or head in heads or None in heads
+
+    def restore_unused(self, key: str, why: str) -> None:
+        """A restore of this setup was not reused by the child: no more restores of it."""
+        self.counters.unused_restores += 1
+        self.off.setdefault(key, why)
 
     def used(self, entry: Entry, tokens: int) -> None:
         entry.last_used = time.time()
@@ -234,7 +277,8 @@ class Store:
             "bytes": sum(e.bytes for e in self.entries.values()),
             "max_bytes": self._max_bytes(), "saves": c.saves, "saved_bytes": c.saved_bytes,
             "hits": c.restores, "restored_tokens": c.restored_tokens, "misses": c.misses,
-            "dropped": c.dropped, "models": models,
+            "dropped": c.dropped, "unused_restores": c.unused_restores,
+            "restores_off": len(self.off), "models": models,
             "entries": [{"file": e.file, "model": e.model, "tokens": e.n_tokens,
                          "prompt_tokens": len(e.tokens), "bytes": e.bytes,
                          "saved_at": e.saved_at, "last_used": e.last_used}

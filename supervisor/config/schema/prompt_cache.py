@@ -30,3 +30,7 @@ class PromptCacheConfig(BaseModel):
     restore_timeout: float = Field(
         5, gt=0, description="seconds a request may wait for its restore; past that it "
         "goes on without it")
+    idle_save_after: float | None = Field(
+        2.0, ge=0, allow_inf_nan=False, description="seconds a child must have had no "
+        "request before the slots its last turns changed are saved, so its stop (an "
+        "eviction, a swap) has nothing left to write; 0 or null: saved only when it stops")

@@ -1,0 +1,212 @@
+"""Which of a child's slots a request goes to, in time that does not grow with the slots.
+
+The rule (unchanged from a scan over every free slot): the slot whose last request is all a
+prefix of this one (the conversation it continues), else an empty slot (a new conversation
+keeps the others' caches), else the free slot sharing most with it, else the least recently
+used free slot. Lowest slot number on ties.
+
+Only slots whose last request began like this one (same first message, or same first
+characters of a completion prompt) can share anything with it: an index from that beginning
+to its slots finds them without looking at the others. Empty slots are a queue (a slot is
+never emptied again), and the free slots' last use a heap (stale entries skipped, rebuilt
+when it holds too many)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import json
+from collections.abc import Hashable
+from typing import Any
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# Request fields that are not the prompt: left out when corral asks the child for its tokens.
+_NOT_PROMPT = ("id_slot", "stream", "stream_options", "n_probs", "max_tokens")
+# How much of a completion prompt (characters) its index entry is made of. Shorter prompts
+# share one entry of their own, looked at for every completion.
+_PROMPT_HEAD = 16
+# How much of the first message's text (characters) a saved conversation's head keeps.
+HEAD_CHARS = 32
+_SHORT = object()
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """The last request a slot served: what its KV cache begins with. Kept as it came (bytes
+    or a dict) and parsed only when its tokens are needed (a restore, a save)."""
+
+    path: str
+    raw: bytes | dict[str, Any]
+    tokens: list[int] | None = None  # known when a restore tokenized it already
+    used: float = 0.0
+    _body: dict[str, Any] | None = None
+
+    def size(self) -> int:
+        raw = self.raw
+        return len(raw) if isinstance(raw, (bytes, bytearray)) else len(json.dumps(raw))
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request without the fields that are not its prompt."""
+        if self._body is None:
+            parsed = json.loads(self.raw) if isinstance(self.raw, (bytes, bytearray)) \
+                else self.raw
+            if not isinstance(parsed, dict):
+                raise ValueError("the request body is not a JSON object")
+            self._body = {k: v for k, v in parsed.items() if k not in _NOT_PROMPT}
+        return self._body
+
+    @property
+    def head(self) -> str | None:
+        """What the request's text begins with, before the child tokenizes it (`head_of`)."""
+        try:
+            return head_of(self.path, self.body)
+        except ValueError:
+            return None
+
+
+def conversation(path: str, body: dict[str, Any]) -> list[Any] | str | None:
+    if path == CHAT:
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else None
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        text = value[0].get("text")  # content parts: the first one's text
+        return f"[{text}" if isinstance(text, str) else None
+    return None
+
+
+def head_of(path: str, body: dict[str, Any]) -> str | None:
+    """The role and first HEAD_CHARS characters of a chat's first message, or a completion
+    prompt's first HEAD_CHARS: two requests whose heads differ share at most the chat
+    template's first tokens and under HEAD_CHARS characters, never a file's worth (a file
+    holds min_tokens or more). None when it cannot tell (then any file may match)."""
+    conv = conversation(path, body)
+    if isinstance(conv, str):
+        return f"p:{conv[:HEAD_CHARS]}" if len(conv) >= HEAD_CHARS else None
+    if not conv or not isinstance(conv[0], dict):
+        return None
+    role, text = conv[0].get("role"), _text(conv[0].get("content"))
+    if not isinstance(role, str) or text is None:
+        return None
+    return f"c:{role}:{text[:HEAD_CHARS]}"
+
+
+def shared(old: list[Any] | str, new: list[Any] | str) -> tuple[int, bool]:
+    """(how much of `old` begins `new`, whether all of it does) for messages or text."""
+    if type(old) is not type(new):
+        return 0, False
+    if isinstance(old, str):  # a completion prompt: only a continuation counts (C speed)
+        return (len(old), True) if isinstance(new, str) and new.startswith(old) else (0, False)
+    n = min(len(old), len(new))
+    i = 0
+    while i < n and old[i] == new[i]:
+        i += 1
+    return i, i == len(old)
+
+
+def _first(path: str, conv: list[Any] | str) -> Hashable | None:
+    """The index entry of a conversation: equal for any two that share a first message (or
+    a completion prompt's first characters). Cheap: never the whole message."""
+    if isinstance(conv, str):
+        return (path, conv[:_PROMPT_HEAD]) if len(conv) >= _PROMPT_HEAD else (path, _SHORT)
+    if not conv:
+        return None  # shares nothing with anything
+    first = conv[0]
+    if not isinstance(first, dict):
+        return (path, type(first).__name__)
+    role, content = first.get("role"), first.get("content")
+    role_key = role if isinstance(role, str) else type(role).__name__
+    if isinstance(content, str):
+        return (path, role_key, len(content), content[:64])
+    size = len(content) if isinstance(content, (list, dict)) else -1
+    return (path, role_key, type(content).__name__, size)
+
+
+class Choice:
+    """The slots' last requests, which are leased, and the indexes over them."""
+
+    def __init__(self, n: int):
+        self.records: list[Record | None] = [None] * n
+        self.leased: set[int] = set()
+        self._empty = collections.deque(range(n))
+        self._by_first: dict[Hashable, set[int]] = {}
+        self._first_of: list[Hashable | None] = [None] * n
+        self._lru: list[tuple[float, int]] = []
+
+    def choose(self, path: str, conv: list[Any] | str) -> int | None:
+        """The slot for a request (None: every slot is leased); not taken yet (`take`)."""
+        if len(self.leased) >= len(self.records):
+            return None
+        best, best_len, whole = None, 0, False
+        first = _first(path, conv)
+        if first is not None:
+            candidates = self._by_first.get(first, set())
+            if isinstance(conv, str) and len(conv) >= _PROMPT_HEAD:
+                # A prompt shorter than the index's head may begin this one too.
+                candidates = candidates | self._by_first.get((path, _SHORT), set())
+            for i in sorted(candidates):
+                rec = self.records[i]
+                if i in self.leased or rec is None:
+                    continue
+                old = conversation(rec.path, rec.body)
+                if old is None:
+                    continue
+                n, all_of_it = shared(old, conv)
+                if (all_of_it, n) > (whole, best_len) and n > 0:
+                    best, best_len, whole = i, n, all_of_it
+        if best is not None and whole:
+            return best
+        if self._empty:
+            return self._empty[0]  # an empty slot is never leased (taking it fills it)
+        if best is not None:
+            return best
+        return self._least_used()
+
+    def take(self, slot: int, record: Record) -> None:
+        """`slot` now serves `record` (leased until `release`)."""
+        self.leased.add(slot)
+        if self._empty and self._empty[0] == slot:
+            self._empty.popleft()
+        elif slot in self._empty:
+            self._empty.remove(slot)  # a caller's own choice (one slot): rare
+        old = self._first_of[slot]
+        if old is not None:
+            group = self._by_first.get(old)
+            if group is not None:
+                group.discard(slot)
+                if not group:
+                    del self._by_first[old]
+        self.records[slot] = record
+        conv = conversation(record.path, record.body) if isinstance(record.raw, dict) else None
+        first = _first(record.path, conv) if conv is not None else None
+        self._first_of[slot] = first
+        if first is not None:
+            self._by_first.setdefault(first, set()).add(slot)
+
+    def release(self, slot: int) -> None:
+        self.leased.discard(slot)
+        rec = self.records[slot]
+        if rec is not None:
+            heapq.heappush(self._lru, (rec.used, slot))
+            if len(self._lru) > 4 * len(self.records) + 16:
+                # Stale entries (slots taken again since) piled up: one rebuild, O(slots).
+                self._lru = [(r.used, i) for i, r in enumerate(self.records)
+                             if r is not None and i not in self.leased]
+                heapq.heapify(self._lru)
+
+    def _least_used(self) -> int | None:
+        while self._lru:
+            used, slot = self._lru[0]
+            rec = self.records[slot]
+            if slot not in self.leased and rec is not None and rec.used == used:
+                return slot
+            heapq.heappop(self._lru)
+        return None
