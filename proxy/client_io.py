@@ -13,14 +13,24 @@ without waiting, and only when the transport has paused writing (its buffer abov
 high-water mark: the client is behind) is there a wait, and only that wait gets a timer.
 A relayed stream goes further (through()): its chunks are put into the transport from the
 child connection's callback, and the relay's task waits (drain()) only when the client is
-behind."""
+behind.
+
+Both fast paths read aiohttp's private writer internals (`protocol.writing_paused`, `chunked`,
+`length`, `send_headers`, `on_body_write`, write's `drain=`), which come and go between
+releases (3.10 has neither `send_headers` nor `writing_paused`; 3.14.3 has no `on_body_write`).
+The first prepared response checks them once (internals_missing()); where one is missing
+every response takes the public path (StreamResponse.write under the deadline, each write
+with its own timer), and one log line (`proxy.relay_public_writes`) names what was missing:
+slower, never broken."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import aiohttp
 import structlog
 from aiohttp import web
 from aiohttp.http import StreamWriter
@@ -54,6 +64,47 @@ class WriteDeadline:
 DEADLINE: web.AppKey[WriteDeadline] = web.AppKey("client_write_deadline", WriteDeadline)
 
 
+def internals_missing(stream: object) -> str | None:
+    """The first of aiohttp's private writer internals the fast paths use that `stream` (a
+    prepared response's writer) lacks, by name; None when it has them all."""
+    protocol = getattr(stream, "protocol", None)
+    if not isinstance(getattr(protocol, "writing_paused", None), bool):
+        return "protocol.writing_paused"
+    for name in ("chunked", "length", "on_body_write"):
+        if not hasattr(stream, name):
+            return name
+    if not callable(getattr(stream, "send_headers", None)):
+        return "send_headers"
+    write = getattr(type(stream), "write", None)
+    try:
+        if write is None or "drain" not in inspect.signature(write).parameters:
+            return "write(drain=)"
+    except (TypeError, ValueError):  # a builtin without a signature
+        return "write(drain=)"
+    return None
+
+
+class _Internals:
+    """Whether this process's aiohttp has what the fast paths read: probed on the first
+    prepared response's writer (its instance attributes only exist there), once."""
+
+    missing: str | None = None
+    probed = False
+
+    @classmethod
+    def usable(cls, stream: StreamWriter) -> bool:
+        if not cls.probed:
+            cls.probed = True
+            cls.missing = internals_missing(stream)
+            if cls.missing is not None:
+                log.warning("proxy.relay_public_writes", missing=cls.missing,
+                            aiohttp=aiohttp.__version__,
+                            note="aiohttp's writer lacks an internal the relay's fast path "
+                                 "reads: every response is written through the public "
+                                 "StreamResponse.write (slower, complete)")
+        return cls.missing is None
+
+
 def writer(request: web.Request, response: web.StreamResponse,
            model: str | None) -> ClientWriter:
     """The writer for `response` to `request`'s client, with the app's deadline. `model`: what
@@ -84,9 +135,11 @@ class ClientWriter:
         either way nothing waits for the client here. A response already prepared keeps its
         writer."""
         stream = await self.response.prepare(self.request)
-        # Another AbstractStreamWriter (none in aiohttp's server today) is written through the
-        # response, each write under a timer: slower, still bounded.
-        self._stream = stream if isinstance(stream, StreamWriter) else None
+        # Another AbstractStreamWriter (none in aiohttp's server today), or an aiohttp without
+        # the internals read here, is written through the response, each write under a
+        # timer: slower, still bounded.
+        self._stream = stream if isinstance(stream, StreamWriter) and _Internals.usable(
+            stream) else None
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         stream = self._stream
