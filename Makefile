@@ -122,6 +122,14 @@ bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/votes.py
 	$(BIN)/python bench/edge_check.py
 
+# Issue 37's two benches, apart from `make bench`: model swaps (A and B alternating, a
+# conversation swapped out and back) with the prompt cache on and off, and the serving metrics
+# of an outside client (`vllm bench serve`, from the vLLM venv) direct vs through corral.
+.PHONY: bench-serving
+bench-serving: demo-model vllm
+	$(BIN)/python bench/swap.py
+	$(BIN)/python bench/serving.py
+
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.
 MINUTES ?= 30

@@ -24,15 +24,17 @@ real model's. Event times are corral's (`/admin/events`, wall clock), the reques
 client's, on the same machine.
 
     python bench/swap.py [--switches 5] [--tokens 2000] [--rounds 2] [--think 3]
-                         [--answer-tokens 32] [--model PATH]
+                         [--answer-tokens 32] [--model PATH] [--code GIT-REF]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -44,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from _harness import REPO, code_note, corral_daemon, machine_note
+from _harness import REPO, checkout, code_note, corral_daemon, machine_note
 
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_SWAP = 1.1
@@ -56,8 +58,8 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
              "What gas do plants take in?", "How many legs does a spider have?"]
 _PLACES = ["river", "orchard", "mill", "bridge", "well", "road", "school", "market", "forge",
            "chapel", "harbour", "quarry"]
-# SmolLM2 spends about 14.5 tokens on one of the sentences below (numbers go digit by digit).
-_TOKENS_PER_SENTENCE = 14.5
+# SmolLM2 spends about 21.5 tokens on one of the sentences below (numbers go digit by digit).
+_TOKENS_PER_SENTENCE = 21.5
 
 
 class Events:
@@ -192,12 +194,13 @@ class Daemon:
     warm: Turn  # the turn after that, nothing swapped
 
 
-def run(cache: bool, a: Path, b: Path, args: argparse.Namespace, cache_dir: Path) -> Daemon:
+def run(cache: bool, a: Path, b: Path, args: argparse.Namespace, cache_dir: Path,
+        code: Path | None) -> Daemon:
     ctx = 2 * args.tokens + 1024
     models = {"A": {"model": str(a), "ctx": ctx}, "B": {"model": str(b), "ctx": ctx}}
     config: dict[str, Any] = {"policy": {"max_loaded": 1},
                               "prompt_cache": {"enabled": cache, "dir": str(cache_dir)}}
-    with corral_daemon(models, **config) as daemon, \
+    with corral_daemon(models, code=code, **config) as daemon, \
             httpx.Client(base_url=daemon.url, timeout=600) as client:
         events = Events(daemon.url)
         questions = iter(QUESTIONS * 4)
@@ -231,6 +234,11 @@ def two_files(model: Path) -> Iterator[tuple[Path, Path]]:
         copy = Path(tmp) / f"B-{model.name}"
         shutil.copyfile(model, copy)
         yield model, copy
+
+
+def _rev(ref: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def med(values: list[float | None]) -> float:
@@ -309,15 +317,22 @@ def main() -> None:
                         help="seconds between the conversation's turns (a user reading)")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--model", type=Path, default=SMOL)
+    parser.add_argument("--code", metavar="REF",
+                        help="run corral as it is at this git ref (a commit, a branch) instead "
+                             "of this checkout: a before/after of a change, one run each")
     args = parser.parse_args()
-    print(code_note())
+    print(code_note() if args.code is None else
+          f"corral code: git {args.code} ({_rev(args.code)}), proxy/ and supervisor/ as committed")
     print(f"machine: {machine_note()}")
     got: dict[bool, list[Daemon]] = {False: [], True: []}
     began = time.monotonic()
-    with two_files(args.model) as (a, b), tempfile.TemporaryDirectory() as tmp:
+    with two_files(args.model) as (a, b), tempfile.TemporaryDirectory() as tmp, \
+            contextlib.ExitStack() as stack:
+        code = None if args.code is None else stack.enter_context(checkout(args.code))
         for r in range(args.rounds):
             for cache in ((False, True) if r % 2 == 0 else (True, False)):
-                got[cache].append(run(cache, a, b, args, Path(tmp) / f"cache-{cache}-{r}"))
+                got[cache].append(run(cache, a, b, args, Path(tmp) / f"cache-{cache}-{r}",
+                                      code))
     print(f"machine after the run: {machine_note()}; {time.monotonic() - began:.0f} s in all")
     report(got, args)
 

@@ -1,0 +1,49 @@
+"""The swap and serving benches, run small, so that they cannot rot unnoticed: each runs to
+its end, finds what it reads from corral (the events of a switch, the prompt cache's restore,
+the outside client's result) and prints its ratios. Nothing asserts a figure's size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+VLLM_PYTHON = BENCH.parent / "build" / "vllm-venv" / "bin" / "python"
+
+
+def run_bench(*argv: str, timeout: float) -> str:
+    done = subprocess.run([sys.executable, *argv], cwd=BENCH, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+def test_swap_bench_times_each_switch_and_prints_its_ratios(smol_model: Path) -> None:
+    out = run_bench("swap.py", "--rounds", "1", "--switches", "2", "--tokens", "400",
+                    "--think", "0", "--answer-tokens", "4", "--model", str(smol_model),
+                    timeout=240)
+    table = out[out.index("switches A↔B"):]
+    # Every figure came from corral's events and the client: none is missing (nan).
+    assert "nan" not in table, out
+    for row in ("stop (the other model)", "start (to ready)", "first token", "total",
+                "A's next turn after the swap", "swap, cache on / off",
+                "swap with a conversation to save, cache on / off",
+                "A's next turn after the swap / the same turn cold"):
+        assert row in table, out
+    restored = next(line for line in table.splitlines()
+                    if line.startswith("tokens restored into A's next turn"))
+    assert int(restored.rsplit(":", 1)[1]) > 0, out  # the cache-on daemon restored the turn
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv: `make vllm` builds it")
+def test_serving_bench_runs_vllm_bench_serve_on_both_paths(smol_model: Path) -> None:
+    out = run_bench("serving.py", "--rounds", "1", "--num-prompts", "2", "--concurrency", "1",
+                    "--input-len", "16", "--output-len", "4", "--model", str(smol_model),
+                    timeout=240)
+    table = out[out.index("`vllm bench serve`"):]
+    for row in ("TTFT p50", "TPOT p99", "ITL p99", "output tokens/s", "goodput"):
+        assert row in table, out
+    assert "requests failed: direct 0, corral 0" in table, out
