@@ -41,6 +41,7 @@ class Saver:
         # holds nothing new while its record is still this one.
         self._saved: list[Record | None] = [None] * len(slots.records)
         self._timer: asyncio.TimerHandle | None = None
+        self._last_end = 0.0  # the loop's time when the last request gave its slot back
         self._task: asyncio.Task[None] | None = None
         self._writing = False  # the child is writing a file for the task now
         self._closed = False
@@ -60,27 +61,33 @@ class Saver:
         return settings.idle_save_after or None
 
     def turn_ended(self) -> None:
-        """A request gave its slot back: the debounce starts again."""
+        """A request gave its slot back: the debounce starts again. One timer per child, moved
+        on when it goes off early: no timer made and cancelled per request."""
         delay = self._idle_after()
         if delay is None:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-        # A fresh context: the request's (its id in every log line) must not follow.
-        self._timer = asyncio.get_running_loop().call_later(
-            delay, self._idle, context=contextvars.Context())
+        loop = asyncio.get_running_loop()
+        self._last_end = loop.time()
+        if self._timer is None:
+            # A fresh context: the request's (its id in every log line) must not follow.
+            self._timer = loop.call_later(delay, self._idle, context=contextvars.Context())
 
     def request_came(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         task = self._task
         if task is not None and not task.done() and not self._writing:
             task.cancel()  # nothing sent to the child's disk yet: nothing lost
 
     def _idle(self) -> None:
         self._timer = None
-        if self._closed or self._busy() or (self._task is not None and not self._task.done()):
+        delay = self._idle_after()
+        if delay is None:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._last_end + delay - loop.time()
+        if left > 0:  # a turn ended since the timer was set
+            self._timer = loop.call_later(left, self._idle, context=contextvars.Context())
+            return
+        if self._busy() or (self._task is not None and not self._task.done()):
             return  # a request in flight, or a save under way: the next turn's end re-arms
         if not self.changed():
             return

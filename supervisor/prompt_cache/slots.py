@@ -128,7 +128,8 @@ class Slots:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
             self._choice.release(lease.slot)
-            self.saver.turn_ended()
+        # Any request's end (one that had no slot too: it put the debounce off all the same).
+        self.saver.turn_ended()
 
     def close(self) -> None:
         """The child is going (or gone): no idle save begins any more."""
