@@ -1,4 +1,4 @@
-"""One child process: spawn, log capture, readiness polling, exit watch, graceful group stop."""
+"""One child process: spawn, log capture, readiness probing, exit watch, graceful group stop."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from typing import TypeAlias
 
 import aiohttp
 import psutil
@@ -22,6 +23,20 @@ from corral.supervisor.reaper import GroupKeeper
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 KILL_WAIT_S = 5.0
+# The longest a start's readiness probe waits after the last one began. The log wake-up
+# (wait_healthy) makes the common case immediate; this bounds the rest (a child that prints
+# nothing as it turns ready, a ready line corral does not know). Cheap at this rate: until
+# the child listens a probe is one refused connect (tens of µs); a loading llama-server's
+# 503 costs the daemon well under a millisecond. The schedule before (10 ms growing ×1.5 to
+# 250 ms) cost a cold start up to 250 ms of lateness, 285 ms median on issue 37's GPU box.
+POLL_S = 0.02
+# The least time between two probes' starts when output wakes them: a command child (any
+# output wakes it) that logs without pause while it loads costs at most 1 / WAKE_GAP_S
+# probes a second, not one per write.
+WAKE_GAP_S = 0.005
+# What tells wait_healthy that a line may mean "ready": substrings of a line (a backend's
+# ready_lines), or None: any output at all.
+ReadyLines: TypeAlias = tuple[str, ...] | None
 
 
 class ChildExited(RuntimeError):
@@ -157,6 +172,10 @@ class LogRing:
         start = max(cursor, first)
         return list(self._lines)[start - first:], start - cursor
 
+    def growth(self) -> asyncio.Event:
+        """The event the next line sets (each batch of lines sets it, then arms a new one)."""
+        return self._grown
+
     async def wait(self, timeout: float | None) -> None:
         """Until a line comes, or `timeout` seconds."""
         with contextlib.suppress(TimeoutError):
@@ -272,22 +291,27 @@ class ChildProcess:
             await asyncio.wait({self._reader}, timeout=2)
 
     async def wait_healthy(self, ready: Callable[[float], Awaitable[bool]],
-                           timeout: float) -> None:
-        """Poll `ready` (given the seconds it may take) until it says yes; fast at first
-        because small models load in ms. Each probe races the child's exit, so a child that
-        dies is noticed at once, even while a probe hangs on a port someone else holds."""
+                           timeout: float, ready_lines: ReadyLines = None) -> None:
+        """Probe `ready` (given the seconds it may take) until it says yes. A probe goes out
+        at once when the child prints a line that says it may be ready (`ready_lines`: any
+        line containing one of them; None: any output at all), and otherwise POLL_S after the
+        last one began: never more than POLL_S late, even for a child that prints nothing.
+        One probe at a time: output during a probe brings the next one right after it. Each
+        probe races the child's exit, so a child that dies is noticed at once, even while a
+        probe hangs on a port someone else holds."""
         assert self._proc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay = 0.01
         exit_task = asyncio.ensure_future(self._proc.wait())
         probe: asyncio.Future[bool] | None = None
+        cursor = 0  # every line since the spawn may be the one that says it is ready
         try:
             while True:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise ChildStartTimeout(
                         f"{self.name} not ready after {timeout:g}s", self.tail())
+                began = loop.time()
                 probe = asyncio.ensure_future(ready(min(2.0, remaining)))
                 await asyncio.wait({probe, exit_task}, return_when=asyncio.FIRST_COMPLETED)
                 if exit_task.done():
@@ -299,13 +323,36 @@ class ChildProcess:
                     if self._output is not None:
                         self._output.batch()  # serving now: its output read in batches
                     return
-                await asyncio.wait([exit_task], timeout=min(delay, max(remaining, 0.001)))
-                delay = min(delay * 1.5, 0.25)
+                cursor = await self._until_probe_due(cursor, ready_lines, began, deadline,
+                                                     exit_task)
         finally:
             if not exit_task.done():
                 exit_task.cancel()
             if probe is not None and not probe.done():
                 probe.cancel()  # cancelled mid-wait: no health request left running
+
+    async def _until_probe_due(self, cursor: int, ready_lines: ReadyLines, began: float,
+                               deadline: float, exit_task: asyncio.Future[int]) -> int:
+        """Until the next probe is due (POLL_S after the last one `began`, WAKE_GAP_S after it
+        once a line since `cursor` looks like readiness) or the child exits; the new cursor."""
+        loop = asyncio.get_running_loop()
+        due = min(began + POLL_S, deadline)
+        while True:
+            lines, lost = self.logs.since(cursor)
+            cursor = self.logs.written
+            # Lines that fell off the ring unread may have said it: probe rather than guess.
+            if lost or _says_ready(lines, ready_lines):
+                due = min(due, began + WAKE_GAP_S)
+            wait = due - loop.time()
+            if wait <= 0 or exit_task.done():
+                return cursor
+            # The event is taken now, not when the task first runs: no line slips between.
+            grown = asyncio.ensure_future(self.logs.growth().wait())
+            try:
+                await asyncio.wait({grown, exit_task}, timeout=wait,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                grown.cancel()
 
     def _exited_error(self) -> ChildExited:
         code = self.returncode
@@ -383,6 +430,12 @@ class ChildProcess:
             else:  # the child itself is ours while it is not reaped: signal it alone
                 with contextlib.suppress(OSError):
                     os.kill(pgid, sig)
+
+
+def _says_ready(lines: Sequence[str], ready_lines: ReadyLines) -> bool:
+    if ready_lines is None:
+        return bool(lines)
+    return any(hint in line for line in lines for hint in ready_lines)
 
 
 def _pid_taken(pid: int) -> bool:

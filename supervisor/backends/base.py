@@ -20,6 +20,10 @@ class Backend(Protocol):
     health_path: str
     # Ready only once /v1/models lists the model's name too (vLLM answers /health before).
     lists_models: bool
+    # What the child prints as it turns ready: a line containing one of these wakes the start's
+    # readiness probe at once (supervisor.process.ChildProcess.wait_healthy); None: any output
+    # does. Only a hint: the probe decides, and without the line it comes within POLL_S anyway.
+    ready_lines: tuple[str, ...] | None
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         """The full argv (executable first) that serves `spec` on 127.0.0.1:`port`."""

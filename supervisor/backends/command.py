@@ -26,6 +26,8 @@ class Command:
     # The spec's health_path decides (default /health; None: the port accepting connections).
     health_path = "/health"
     lists_models = False
+    # Any server at all: whatever it prints may be its "listening" line.
+    ready_lines = None
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         return [arg.replace(PORT_MACRO, str(port)) for arg in spec.command]

@@ -58,6 +58,8 @@ class Vllm:
     # /health answers 200 once the engine is up; /v1/models must list the served name too.
     health_path = "/health"
     lists_models = True
+    # uvicorn's line once the API server (engine up, routes mounted) accepts requests.
+    ready_lines = ("Application startup complete",)
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         argv = [*vllm_command(spec),

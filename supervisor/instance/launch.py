@@ -160,7 +160,8 @@ class Launch:
             raise
         try:
             self._on_spawn()
-            await process.wait_healthy(self._readiness(port, headers), self._start_timeout)
+            await process.wait_healthy(self._readiness(port, headers), self._start_timeout,
+                                       self._backend.ready_lines)
         except ChildExited as exc:
             await stop_uncancellable(process)
             if not last_try and self._backend.lost_port_race(exc.tail):
