@@ -1,0 +1,166 @@
+"""The first token under concurrency (issue 37): one llama-server child with many slots, reached
+directly and through corral (the same child, paths alternating by round), at several numbers of
+concurrent streams, with the prompt cache on and off, in one run.
+
+Per setting: TTFT p50/p99 of each path and corral's added p50, tokens/s through corral over
+direct, and corral's CPU per relayed chunk (its process's CPU over the events it relayed).
+Each request has its own prompt (users do not share one): the prompt cache pins each to a slot.
+
+    python bench/ttft_concurrency.py [--model tiny|smol] [--parallel 128]
+                                     [--streams 32,128] [--tokens 32] [--rounds 2]
+                                     [--cache on,off]
+
+Targets (issue 37): TTFT p50 through corral <= direct + 5 ms, tokens/s >= 0.97 of direct,
+CPU <= 20 us per chunk. On a 2-core VM the client, the child and corral share two cores: the
+figures there say more about what corral adds per request than about a GPU box's absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from _harness import (
+    QUIET,
+    REPO,
+    Endpoint,
+    corral_and_its_child,
+    cpu_seconds,
+    machine_note,
+    percentile,
+    tiny_model,
+)
+
+SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_TTFT_MS = 5.0
+TARGET_TOKENS = 0.97
+TARGET_CPU_US = 20.0
+PROMPT = "Tell me a short story about a lighthouse keeper and the sea, please. "
+
+
+async def _stream(session: aiohttp.ClientSession, to: Endpoint, i: int, tokens: int,
+                  ) -> tuple[float, int]:
+    """TTFT ms (first data event) and the data events of one streamed chat."""
+    body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": f"Request {i}. {PROMPT}"}]}
+    started = time.perf_counter()
+    first = 0.0
+    events = 0
+    tail = b""
+    async with session.post(to.url + "/v1/chat/completions", json=body,
+                            headers=to.headers) as resp:
+        assert resp.status == 200, resp.status
+        async for chunk in resp.content.iter_any():
+            count = (tail[-5:] + chunk).count(b"data:")
+            if count and not events:
+                first = (time.perf_counter() - started) * 1000
+            events += count
+            tail = chunk
+    assert tail.endswith(b"data: [DONE]\n\n"), tail[-200:]
+    return first, events - 1
+
+
+async def _batch(session: aiohttp.ClientSession, to: Endpoint, streams: int, tokens: int,
+                 start: int) -> tuple[list[float], int, float]:
+    """`streams` streams at once: their TTFTs, the events relayed, the wall seconds."""
+    began = time.perf_counter()
+    got = await asyncio.gather(*(_stream(session, to, start + i, tokens)
+                                 for i in range(streams)))
+    return [t for t, _ in got], sum(n for _, n in got), time.perf_counter() - began
+
+
+async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tokens: int,
+                  rounds: int) -> dict[str, object]:
+    ttft: dict[str, list[float]] = {name: [] for name in paths}
+    rates: list[float] = []
+    cpu = 0.0
+    relayed = 0
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        for to in paths.values():  # warm both paths (and the child's slots)
+            await _batch(session, to, streams, 4, 10_000_000)
+        n = 0
+        for r in range(rounds):
+            order = list(paths) if r % 2 == 0 else list(reversed(paths))
+            rate: dict[str, float] = {}
+            for name in order:
+                before = cpu_seconds([corral_pid])
+                t, events, wall = await _batch(session, paths[name], streams, tokens, n)
+                n += streams
+                if name == "corral":
+                    cpu += cpu_seconds([corral_pid]) - before
+                    relayed += events
+                ttft[name] += t
+                rate[name] = events / wall
+            rates.append(rate["corral"] / rate["direct"])
+    return {"ttft": ttft, "ratio": statistics.median(rates), "ratios": rates,
+            "cpu_us": cpu * 1e6 / max(relayed, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("tiny", "smol"), default="tiny")
+    parser.add_argument("--parallel", type=int, default=128, help="the child's slots")
+    parser.add_argument("--streams", default="32,128", help="concurrent streams, comma list")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cache", default="on,off", help="the prompt cache: on, off or both")
+    args = parser.parse_args()
+    counts = [int(s) for s in args.streams.split(",")]
+    # Each slot holds its prompt (~30 tokens) and its answer.
+    ctx = args.parallel * max(256, args.tokens + 128)
+    results: list[tuple[str, int, dict[str, object]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model(Path(tmp)) if args.model == "tiny" else SMOL
+        if not model.is_file():
+            sys.exit(f"{model} missing: run `make demo-model`")
+        for cache in args.cache.split(","):
+            config: dict[str, object] = {"prompt_cache": {"enabled": cache == "on"},
+                                         "defaults": {"max_queue": 4096}}
+            # llama-server's own HTTP threads (parallel + 2 by default): every stream is
+            # taken at once, on both paths.
+            with corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
+                                      **config) as (proxied, child):
+                paths = {"direct": child, "corral": proxied.endpoint}
+                for streams in counts:
+                    got = asyncio.run(measure(paths, proxied.pid, streams, args.tokens,
+                                              args.rounds))
+                    results.append((cache, streams, got))
+                    _print_one(cache, streams, got)
+    print(f"\nmachine: {machine_note()}")
+    print(f"model {args.model} ({model.name}), one llama-server child with --parallel "
+          f"{args.parallel}, ctx {ctx}; {args.tokens} tokens a stream (ignore_eos), every "
+          f"prompt distinct; {args.rounds} rounds, direct and corral alternating")
+    print(f"{'cache':5s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
+          f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}")
+    for cache, streams, got in results:
+        ttft = got["ttft"]
+        assert isinstance(ttft, dict)
+        d50, c50 = percentile(ttft["direct"], 50), percentile(ttft["corral"], 50)
+        print(f"{cache:5s} {streams:7d} {d50:10.1f} {percentile(ttft['direct'], 99):8.1f} "
+              f"{c50:10.1f} {percentile(ttft['corral'], 99):8.1f} {c50 - d50:+9.1f} "
+              f"{got['ratio']:15.3f} {got['cpu_us']:12.1f}")
+    print(f"targets: added TTFT p50 <= +{TARGET_TTFT_MS:g} ms, tokens/s >= {TARGET_TOKENS} of "
+          f"direct, CPU <= {TARGET_CPU_US:g} µs a chunk")
+
+
+def _print_one(cache: str, streams: int, got: dict[str, object]) -> None:
+    ttft = got["ttft"]
+    assert isinstance(ttft, dict)
+    added = percentile(ttft["corral"], 50) - percentile(ttft["direct"], 50)
+    print(f"cache {cache}, {streams} streams: TTFT p50 added {added:+.1f} ms, tokens/s of "
+          f"direct per round {', '.join(f'{r:.3f}' for r in got['ratios'])}, "  # type: ignore[attr-defined]
+          f"CPU {got['cpu_us']:.1f} µs/chunk", flush=True)
+
+
+if __name__ == "__main__":
+    main()
