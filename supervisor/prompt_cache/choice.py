@@ -6,10 +6,12 @@ keeps the others' caches), else the free slot sharing most with it, else the lea
 used free slot. Lowest slot number on ties.
 
 Only slots whose last request began like this one (same first message, or same first
-characters of a completion prompt) can share anything with it: an index from that beginning
-to its slots finds them without looking at the others. Empty slots are a queue (a slot is
-never emptied again), and the free slots' last use a heap (stale entries skipped, rebuilt
-when it holds too many)."""
+characters of a completion prompt) can share anything with it, and only those with its first
+two messages (or a single message, its first) can be the conversation it continues: two
+indexes from those beginnings to their slots find them without looking at the others (an
+agent's slots all share one system prompt: the second message tells them apart). Empty slots
+are a queue (a slot is never emptied again), and the free slots' last use a heap (stale
+entries skipped, rebuilt when it holds too many)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import collections
 import dataclasses
 import heapq
 import json
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -28,7 +30,8 @@ _NOT_PROMPT = ("id_slot", "stream", "stream_options", "n_probs", "max_tokens")
 _PROMPT_HEAD = 16
 # How much of the first message's text (characters) a saved conversation's head keeps.
 HEAD_CHARS = 32
-_SHORT = object()
+_SHORT, _END = object(), object()
+_NONE: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,22 +115,31 @@ def shared(old: list[Any] | str, new: list[Any] | str) -> tuple[int, bool]:
     return i, i == len(old)
 
 
-def _first(path: str, conv: list[Any] | str) -> Hashable | None:
-    """The index entry of a conversation: equal for any two that share a first message (or
-    a completion prompt's first characters). Cheap: never the whole message."""
-    if isinstance(conv, str):
-        return (path, conv[:_PROMPT_HEAD]) if len(conv) >= _PROMPT_HEAD else (path, _SHORT)
-    if not conv:
-        return None  # shares nothing with anything
-    first = conv[0]
-    if not isinstance(first, dict):
-        return (path, type(first).__name__)
-    role, content = first.get("role"), first.get("content")
+def _message_key(message: object) -> Hashable:
+    """Equal for equal messages, and cheap: never the whole message."""
+    if not isinstance(message, dict):
+        return type(message).__name__
+    role, content = message.get("role"), message.get("content")
     role_key = role if isinstance(role, str) else type(role).__name__
     if isinstance(content, str):
-        return (path, role_key, len(content), content[:64])
+        return (role_key, len(content), content[:64])
     size = len(content) if isinstance(content, (list, dict)) else -1
-    return (path, role_key, type(content).__name__, size)
+    return (role_key, type(content).__name__, size)
+
+
+def _keys(path: str, conv: list[Any] | str) -> tuple[Hashable, Hashable] | None:
+    """A conversation's two index entries: `wide`, shared by every conversation with its
+    first message (all that can share anything with it), and `narrow`, by those with its
+    first two (all whose last request it can continue, but those of one message). A
+    completion prompt has one entry, its first characters. None: shares nothing."""
+    if isinstance(conv, str):
+        key = (path, conv[:_PROMPT_HEAD]) if len(conv) >= _PROMPT_HEAD else (path, _SHORT)
+        return key, key
+    if not conv:
+        return None
+    first = _message_key(conv[0])
+    second = _message_key(conv[1]) if len(conv) > 1 else _END
+    return (path, first), (path, first, second)
 
 
 class Choice:
@@ -137,59 +149,80 @@ class Choice:
         self.records: list[Record | None] = [None] * n
         self.leased: set[int] = set()
         self._empty = collections.deque(range(n))
-        self._by_first: dict[Hashable, set[int]] = {}
-        self._first_of: list[Hashable | None] = [None] * n
+        self._wide: dict[Hashable, set[int]] = {}
+        self._narrow: dict[Hashable, set[int]] = {}
+        self._keys: list[tuple[Hashable, Hashable] | None] = [None] * n
         self._lru: list[tuple[float, int]] = []
 
     def choose(self, path: str, conv: list[Any] | str) -> int | None:
         """The slot for a request (None: every slot is leased); not taken yet (`take`)."""
         if len(self.leased) >= len(self.records):
             return None
-        best, best_len, whole = None, 0, False
-        first = _first(path, conv)
-        if first is not None:
-            candidates = self._by_first.get(first, set())
-            if isinstance(conv, str) and len(conv) >= _PROMPT_HEAD:
-                # A prompt shorter than the index's head may begin this one too.
-                candidates = candidates | self._by_first.get((path, _SHORT), set())
-            for i in sorted(candidates):
-                rec = self.records[i]
-                if i in self.leased or rec is None:
-                    continue
-                old = conversation(rec.path, rec.body)
-                if old is None:
-                    continue
-                n, all_of_it = shared(old, conv)
-                if (all_of_it, n) > (whole, best_len) and n > 0:
-                    best, best_len, whole = i, n, all_of_it
-        if best is not None and whole:
-            return best
+        keys = _keys(path, conv)
+        if keys is not None:
+            wide, narrow = keys
+            # The slots whose last request this one may continue: same first two messages,
+            # or a last request of one message that is this one's first.
+            if isinstance(conv, str):
+                continued = self._narrow.get(narrow, _NONE)
+                if len(conv) >= _PROMPT_HEAD:  # a shorter prompt may begin this one too
+                    continued = continued | self._narrow.get((path, _SHORT), _NONE)
+            else:
+                continued = self._narrow.get(narrow, _NONE)
+                if len(conv) > 1:
+                    continued = continued | self._narrow.get((*wide, _END), _NONE)
+            found = self._most_shared(continued, conv, whole=True)
+            if found is not None:
+                return found
         if self._empty:
             return self._empty[0]  # an empty slot is never leased (taking it fills it)
-        if best is not None:
-            return best
+        if keys is not None and not isinstance(conv, str):
+            found = self._most_shared(self._wide.get(keys[0], _NONE), conv, whole=False)
+            if found is not None:
+                return found
         return self._least_used()
 
-    def take(self, slot: int, record: Record) -> None:
-        """`slot` now serves `record` (leased until `release`)."""
+    def _most_shared(self, candidates: Collection[int], conv: list[Any] | str,
+                     whole: bool) -> int | None:
+        """Of the free `candidates`, the one whose last request shares most with `conv` (all
+        of it a prefix of `conv`, when `whole`); the lowest slot on ties."""
+        best, best_len = None, 0
+        for i in sorted(candidates):
+            rec = self.records[i]
+            if i in self.leased or rec is None:
+                continue
+            old = conversation(rec.path, rec.body)
+            if old is None:
+                continue
+            n, all_of_it = shared(old, conv)
+            if n > best_len and (all_of_it or not whole):
+                best, best_len = i, n
+        return best
+
+    def take(self, slot: int, record: Record, conv: list[Any] | str | None = None) -> None:
+        """`slot` now serves `record` (leased until `release`); `conv`: its conversation,
+        when the caller has it."""
         self.leased.add(slot)
         if self._empty and self._empty[0] == slot:
             self._empty.popleft()
         elif slot in self._empty:
             self._empty.remove(slot)  # a caller's own choice (one slot): rare
-        old = self._first_of[slot]
+        old = self._keys[slot]
         if old is not None:
-            group = self._by_first.get(old)
-            if group is not None:
-                group.discard(slot)
-                if not group:
-                    del self._by_first[old]
+            for index, key in ((self._wide, old[0]), (self._narrow, old[1])):
+                group = index.get(key)
+                if group is not None:
+                    group.discard(slot)
+                    if not group:
+                        del index[key]
         self.records[slot] = record
-        conv = conversation(record.path, record.body) if isinstance(record.raw, dict) else None
-        first = _first(record.path, conv) if conv is not None else None
-        self._first_of[slot] = first
-        if first is not None:
-            self._by_first.setdefault(first, set()).add(slot)
+        if conv is None and isinstance(record.raw, dict):
+            conv = conversation(record.path, record.body)
+        keys = _keys(record.path, conv) if conv is not None else None
+        self._keys[slot] = keys
+        if keys is not None:
+            self._wide.setdefault(keys[0], set()).add(slot)
+            self._narrow.setdefault(keys[1], set()).add(slot)
 
     def release(self, slot: int) -> None:
         self.leased.discard(slot)

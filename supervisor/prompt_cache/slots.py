@@ -108,7 +108,7 @@ class Slots:
         lease.slot = slot
         record = Record(path, parsed, used=time.monotonic())
         empty = self.records[slot] is None
-        choice.take(slot, record)  # leased now: no other request gets it while it restores
+        choice.take(slot, record, conv)  # leased: no other request gets it while it restores
         if empty:
             await self._restore(lease, slot, record)
         if not isinstance(body, (bytes, bytearray)):
