@@ -25,10 +25,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 KILL_WAIT_S = 5.0
 # The longest a start's readiness probe waits after the last one began. The log wake-up
 # (wait_healthy) makes the common case immediate; this bounds the rest (a child that prints
-# nothing as it turns ready, a ready line corral does not know). Cheap at this rate: until
-# the child listens a probe is one refused connect (tens of µs); a loading llama-server's
-# 503 costs the daemon well under a millisecond. The schedule before (10 ms growing ×1.5 to
-# 250 ms) cost a cold start up to 250 ms of lateness, 285 ms median on issue 37's GPU box.
+# nothing as it turns ready, a ready line corral does not know). Cheap enough at this rate:
+# a probe costs the daemon 0.2 ms of CPU refused, 0.3 ms answered 503 by a loading server
+# (aiohttp, on the 2-core VM), so 1-1.5 % of a core while a child loads. The schedule before
+# (10 ms growing ×1.5 to 250 ms) made a start up to 250 ms late (issue 37: +285 ms median on
+# a GPU box, where a load takes under a second).
 POLL_S = 0.02
 # The least time between two probes' starts when output wakes them: a command child (any
 # output wakes it) that logs without pause while it loads costs at most 1 / WAKE_GAP_S
