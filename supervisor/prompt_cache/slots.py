@@ -2,9 +2,11 @@
 
 llama-server's GET /slots tells how many tokens a slot holds, never which: corral pins every
 chat and completion request to a slot itself (`id_slot`) and keeps the last request each slot
-served. At a stop, the child's own /apply-template and /tokenize turn that request into the
-tokens the slot holds, and the slot is saved with them. When a request lands on an empty slot
-and a saved prefix of its own tokens exists, that file is restored into the slot first.
+served (which slot a request goes to: choice.py). Once the child is idle, and at its stop, the
+child's own /apply-template and /tokenize turn that request into the tokens the slot holds,
+and the slot is saved with them (saver.py). When a request lands on an empty slot and a saved
+prefix of its own tokens exists, that file is restored into the slot first, and the answer's
+`timings.cache_n` then tells whether the child reused it (`verify`).
 
 Neither step can make an answer wrong: llama-server compares the restored tokens with the new
 prompt and reuses only their common prefix. Both are bounded in time and skipped on any error."""
@@ -186,6 +188,8 @@ class Slots:
                 key = await self.key()
                 if not store.has_key(key) or key in store.off:
                     return
+                if record.body.get("cache_prompt") is False:
+                    return  # the child is asked not to reuse its cache: nothing to restore
                 if not store.may_match(key, record.head):
                     # No file of this setup began as this request does: not one can share
                     # a file's worth with it, and the child is not asked for its tokens.
