@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import tempfile
@@ -28,12 +29,14 @@ from pathlib import Path
 import aiohttp
 
 from _harness import (
+    NGINX_MISSING,
     QUIET,
     REPO,
     Endpoint,
     corral_and_its_child,
     cpu_seconds,
     machine_note,
+    nginx_proxy,
     percentile,
     tiny_model,
 )
@@ -45,9 +48,21 @@ TARGET_CPU_US = 20.0
 PROMPT = "Tell me a short story about a lighthouse keeper and the sea, please. "
 
 
+def _server_timing(header: str) -> dict[str, float]:
+    """corral's Server-Timing: {"queue": ms, "ttfb": ms, ...}."""
+    out = {}
+    for part in header.split(","):
+        name, _, rest = part.strip().partition(";")
+        found = re.search(r"dur=([\d.]+)", rest)
+        if found:
+            out[name] = float(found.group(1))
+    return out
+
+
 async def _stream(session: aiohttp.ClientSession, to: Endpoint, i: int, tokens: int,
-                  ) -> tuple[float, int]:
-    """TTFT ms (first data event) and the data events of one streamed chat."""
+                  timings: list[dict[str, float]] | None = None) -> tuple[float, int]:
+    """TTFT ms (first data event) and the data events of one streamed chat; corral's
+    Server-Timing appended to `timings`."""
     body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
             "stream": True,
             "messages": [{"role": "user", "content": f"Request {i}. {PROMPT}"}]}
@@ -58,6 +73,8 @@ async def _stream(session: aiohttp.ClientSession, to: Endpoint, i: int, tokens: 
     async with session.post(to.url + "/v1/chat/completions", json=body,
                             headers=to.headers) as resp:
         assert resp.status == 200, resp.status
+        if timings is not None:
+            timings.append(_server_timing(resp.headers.get("Server-Timing", "")))
         async for chunk in resp.content.iter_any():
             count = (tail[-5:] + chunk).count(b"data:")
             if count and not events:
@@ -69,10 +86,11 @@ async def _stream(session: aiohttp.ClientSession, to: Endpoint, i: int, tokens: 
 
 
 async def _batch(session: aiohttp.ClientSession, to: Endpoint, streams: int, tokens: int,
-                 start: int) -> tuple[list[float], int, float]:
+                 start: int, timings: list[dict[str, float]] | None = None,
+                 ) -> tuple[list[float], int, float]:
     """`streams` streams at once: their TTFTs, the events relayed, the wall seconds."""
     began = time.perf_counter()
-    got = await asyncio.gather(*(_stream(session, to, start + i, tokens)
+    got = await asyncio.gather(*(_stream(session, to, start + i, tokens, timings)
                                  for i in range(streams)))
     return [t for t, _ in got], sum(n for _, n in got), time.perf_counter() - began
 
@@ -81,6 +99,8 @@ async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tok
                   rounds: int) -> dict[str, object]:
     ttft: dict[str, list[float]] = {name: [] for name in paths}
     rates: list[float] = []
+    nginx_rates: list[float] = []
+    timings: list[dict[str, float]] = []
     cpu = 0.0
     relayed = 0
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -90,11 +110,13 @@ async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tok
             await _batch(session, to, streams, 4, 10_000_000)
         n = 0
         for r in range(rounds):
-            order = list(paths) if r % 2 == 0 else list(reversed(paths))
+            names = list(paths)
+            order = names[r % len(names):] + names[:r % len(names)]  # each path first in turn
             rate: dict[str, float] = {}
             for name in order:
                 before = cpu_seconds([corral_pid])
-                t, events, wall = await _batch(session, paths[name], streams, tokens, n)
+                t, events, wall = await _batch(session, paths[name], streams, tokens, n,
+                                               timings if name == "corral" else None)
                 n += streams
                 if name == "corral":
                     cpu += cpu_seconds([corral_pid]) - before
@@ -102,7 +124,14 @@ async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tok
                 ttft[name] += t
                 rate[name] = events / wall
             rates.append(rate["corral"] / rate["direct"])
+            if "nginx" in rate:
+                nginx_rates.append(rate["nginx"] / rate["direct"])
     return {"ttft": ttft, "ratio": statistics.median(rates), "ratios": rates,
+            "nginx_ratio": statistics.median(nginx_rates) if nginx_rates else None,
+            # corral's TTFT split: the wait for a slot, then from the lease to the child's
+            # first byte (the prompt cache's pin and the child's prefill).
+            "queue": percentile([t.get("queue", 0.0) for t in timings], 50),
+            "ttfb": percentile([t.get("ttfb", 0.0) for t in timings], 50),
             "cpu_us": cpu * 1e6 / max(relayed, 1)}
 
 
@@ -129,8 +158,11 @@ def main() -> None:
             # llama-server's own HTTP threads (parallel + 2 by default): every stream is
             # taken at once, on both paths.
             with corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
-                                      **config) as (proxied, child):
+                                      **config) as (proxied, child), \
+                    nginx_proxy(child) as nginx:
                 paths = {"direct": child, "corral": proxied.endpoint}
+                if nginx is not None:
+                    paths["nginx"] = nginx.endpoint
                 for streams in counts:
                     got = asyncio.run(measure(paths, proxied.pid, streams, args.tokens,
                                               args.rounds))
@@ -141,14 +173,21 @@ def main() -> None:
           f"{args.parallel}, ctx {ctx}; {args.tokens} tokens a stream (ignore_eos), every "
           f"prompt distinct; {args.rounds} rounds, direct and corral alternating")
     print(f"{'cache':5s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
-          f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}")
+          f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}   "
+          f"{'nginx added p50':>15s} {'tok/s':>6s}")
     for cache, streams, got in results:
         ttft = got["ttft"]
         assert isinstance(ttft, dict)
         d50, c50 = percentile(ttft["direct"], 50), percentile(ttft["corral"], 50)
-        print(f"{cache:5s} {streams:7d} {d50:10.1f} {percentile(ttft['direct'], 99):8.1f} "
-              f"{c50:10.1f} {percentile(ttft['corral'], 99):8.1f} {c50 - d50:+9.1f} "
-              f"{got['ratio']:15.3f} {got['cpu_us']:12.1f}")
+        line = (f"{cache:5s} {streams:7d} {d50:10.1f} {percentile(ttft['direct'], 99):8.1f} "
+                f"{c50:10.1f} {percentile(ttft['corral'], 99):8.1f} {c50 - d50:+9.1f} "
+                f"{got['ratio']:15.3f} {got['cpu_us']:12.1f}")
+        if "nginx" in ttft:
+            line += (f"   {percentile(ttft['nginx'], 50) - d50:+15.1f} "
+                     f"{got['nginx_ratio']:6.3f}")
+        print(line)
+    if not any("nginx" in got["ttft"] for _, _, got in results):  # type: ignore[operator]
+        print(NGINX_MISSING)
     print(f"targets: added TTFT p50 <= +{TARGET_TTFT_MS:g} ms, tokens/s >= {TARGET_TOKENS} of "
           f"direct, CPU <= {TARGET_CPU_US:g} µs a chunk")
 
@@ -157,6 +196,9 @@ def _print_one(cache: str, streams: int, got: dict[str, object]) -> None:
     ttft = got["ttft"]
     assert isinstance(ttft, dict)
     added = percentile(ttft["corral"], 50) - percentile(ttft["direct"], 50)
+    print(f"cache {cache}, {streams} streams: corral's Server-Timing p50: queue "
+          f"{got['queue']:.1f} ms, lease to the child's first byte {got['ttfb']:.1f} ms "
+          f"(direct TTFT p50 {percentile(ttft['direct'], 50):.1f} ms)")
     print(f"cache {cache}, {streams} streams: TTFT p50 added {added:+.1f} ms, tokens/s of "
           f"direct per round {', '.join(f'{r:.3f}' for r in got['ratios'])}, "  # type: ignore[attr-defined]
           f"CPU {got['cpu_us']:.1f} µs/chunk", flush=True)
