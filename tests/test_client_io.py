@@ -264,7 +264,10 @@ def test_writes_that_need_no_wait_schedule_no_timer():
             assert server.stalls == []
 
     asyncio.run(scenario())
-    assert counted == {"writes": [0] * 200, "finish": [0], "send": [0]}, counted
+    # An aiohttp without the writer internals the fast path reads (proxy/client_io probes
+    # them once) writes through StreamResponse.write: a timer per write, by design.
+    per_write = 0 if client_io._Internals.missing is None else 1
+    assert counted == {"writes": [per_write] * 200, "finish": [0], "send": [0]}, counted
 
 
 def test_a_whole_body_is_sent_with_the_deadline_too():
