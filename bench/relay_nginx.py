@@ -24,11 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from _harness import (
     SHARED_CHILD,
     Endpoint,
     corral_and_its_child,
-    cpu_seconds,
     machine_note,
     nginx_proxy,
     tiny_model,
@@ -70,6 +71,19 @@ def run_wrk(wrk: str, to: Endpoint, body: dict[str, object], seconds: float,
     return got
 
 
+def _user_kernel(pids: list[int]) -> tuple[float, float]:
+    """User and kernel CPU seconds of these processes so far."""
+    user = kernel = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        user += times.user
+        kernel += times.system
+    return user, kernel
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5)
@@ -77,6 +91,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4, help="max_tokens of each answer")
     parser.add_argument("--stream", action="store_true", help="streamed answers")
+    parser.add_argument("--prompt-cache", choices=("on", "off"), default="on",
+                        help="corral's prompt cache (on: the default, each request pinned)")
     args = parser.parse_args()
     wrk = shutil.which("wrk")
     if wrk is None:
@@ -84,26 +100,32 @@ def main() -> None:
     body = {"model": "tiny", "max_tokens": args.tokens, "temperature": 0,
             "stream": args.stream, "messages": [{"role": "user", "content": "hello"}]}
     runs: dict[str, list[dict[str, float]]] = {}
-    cpu = 0.0
+    # µs of user and of kernel CPU per request, per proxy and round.
+    cpu: dict[str, list[tuple[float, float]]] = {"corral": [], "nginx": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = tiny_model(folder)
-        with corral_and_its_child(model, args.connections, extra=SHARED_CHILD) as (proxied,
-                                                                                   child), \
+        config = {"prompt_cache": {"enabled": args.prompt_cache == "on"}}
+        with corral_and_its_child(model, args.connections, extra=SHARED_CHILD,
+                                  **config) as (proxied, child), \
                 nginx_proxy(child) as nginx:
             if nginx is None:
                 sys.exit("nginx missing: `apt-get install -y nginx`")
             paths = {"direct": child, "nginx": nginx.endpoint, "corral": proxied.endpoint}
+            pids = {"corral": [proxied.pid], "nginx": nginx.pids()}
             for to in paths.values():  # warm
                 run_wrk(wrk, to, body, 1, args.connections, folder)
             names = list(paths)
             for r in range(args.rounds):
                 for name in names[r % 3:] + names[:r % 3]:
-                    before = cpu_seconds([proxied.pid])
+                    before = _user_kernel(pids.get(name, []))
                     got = run_wrk(wrk, paths[name], body, args.seconds, args.connections,
                                   folder)
-                    if name == "corral":
-                        cpu += (cpu_seconds([proxied.pid]) - before) / max(got["requests"], 1)
+                    if name in cpu:
+                        after = _user_kernel(pids[name])
+                        cpu[name].append(tuple(  # type: ignore[arg-type]
+                            (b - a) * 1e6 / max(got["requests"], 1)
+                            for a, b in zip(before, after, strict=True)))
                     runs.setdefault(name, []).append(got)
                     print(f"round {r} {name:6s} {got['rps']:8.1f} req/s  p50 {got['p50']:.2f} ms"
                           f"  p99 {got['p99']:.2f} ms  non-2xx {got['bad']:.0f}", flush=True)
@@ -111,7 +133,7 @@ def main() -> None:
     print(f"wrk -t1 -c{args.connections} -d{args.seconds:g}s, {args.rounds} rounds; one "
           f"llama-server child (tiny model, parallel {args.connections}), "
           f"max_tokens {args.tokens}, {'streamed' if args.stream else 'whole'} answers; "
-          "corral's defaults (prompt cache on)")
+          f"corral's defaults, prompt cache {args.prompt_cache}")
     med = {name: {k: statistics.median(g[k] for g in got) for k in ("rps", "p50", "p99")}
            for name, got in runs.items()}
     for name, m in med.items():
@@ -122,7 +144,11 @@ def main() -> None:
     print(f"corral p50 over nginx {med['corral']['p50'] - med['nginx']['p50']:+.2f} ms, over "
           f"direct {med['corral']['p50'] - med['direct']['p50']:+.2f} ms; nginx over direct "
           f"{med['nginx']['p50'] - med['direct']['p50']:+.2f} ms")
-    print(f"corral CPU per request: {cpu / args.rounds * 1e6:.0f} µs")
+    for name, spent in cpu.items():
+        user = statistics.median(u for u, _ in spent)
+        kernel = statistics.median(k for _, k in spent)
+        print(f"{name} CPU per request: {user + kernel:.0f} µs ({user:.0f} user, {kernel:.0f} "
+              "kernel; median of rounds, 10 ms ticks)")
 
 
 if __name__ == "__main__":
