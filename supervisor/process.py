@@ -11,7 +11,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import aiohttp
 import psutil
@@ -35,6 +35,10 @@ POLL_S = 0.02
 # output wakes it) that logs without pause while it loads costs at most 1 / WAKE_GAP_S
 # probes a second, not one per write.
 WAKE_GAP_S = 0.005
+# For this long after a ready line the probes keep WAKE_GAP_S apart: a line may come just
+# before the port listens (uvicorn logs "Application startup complete" and then opens the
+# socket vLLM hands it; nothing is printed after that).
+HOT_S = 0.25
 # What tells wait_healthy that a line may mean "ready": substrings of a line (a backend's
 # ready_lines), or None: any output at all.
 ReadyLines: TypeAlias = tuple[str, ...] | None
@@ -306,6 +310,7 @@ class ChildProcess:
         exit_task = asyncio.ensure_future(self._proc.wait())
         probe: asyncio.Future[bool] | None = None
         cursor = 0  # every line since the spawn may be the one that says it is ready
+        hot_until = 0.0  # probes WAKE_GAP_S apart until then (a ready line was seen)
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -324,8 +329,8 @@ class ChildProcess:
                     if self._output is not None:
                         self._output.batch()  # serving now: its output read in batches
                     return
-                cursor = await self._until_probe_due(cursor, ready_lines, began, deadline,
-                                                     exit_task)
+                cursor, hot_until = await self._until_probe_due(
+                    cursor, ready_lines, began, deadline, hot_until, exit_task)
         finally:
             if not exit_task.done():
                 exit_task.cancel()
@@ -333,25 +338,27 @@ class ChildProcess:
                 probe.cancel()  # cancelled mid-wait: no health request left running
 
     async def _until_probe_due(self, cursor: int, ready_lines: ReadyLines, began: float,
-                               deadline: float, exit_task: asyncio.Future[int]) -> int:
-        """Until the next probe is due (POLL_S after the last one `began`, WAKE_GAP_S after it
-        once a line since `cursor` looks like readiness) or the child exits; the new cursor."""
+                               deadline: float, hot_until: float,
+                               exit_task: asyncio.Future[int]) -> tuple[int, float]:
+        """Until the next probe is due or the child exits: POLL_S after the last one `began`,
+        WAKE_GAP_S after it once a line since `cursor` looks like readiness, and for HOT_S
+        after such a line. The new cursor and the end of the hot spell."""
         loop = asyncio.get_running_loop()
-        due = min(began + POLL_S, deadline)
+        gap = WAKE_GAP_S if loop.time() < hot_until else POLL_S
         while True:
             lines, lost = self.logs.since(cursor)
             cursor = self.logs.written
             # Lines that fell off the ring unread may have said it: probe rather than guess.
             if lost or _says_ready(lines, ready_lines):
-                due = min(due, began + WAKE_GAP_S)
-            wait = due - loop.time()
+                gap, hot_until = WAKE_GAP_S, loop.time() + HOT_S
+            wait = min(began + gap, deadline) - loop.time()
             if wait <= 0 or exit_task.done():
-                return cursor
+                return cursor, hot_until
             # The event is taken now, not when the task first runs: no line slips between.
-            grown = asyncio.ensure_future(self.logs.growth().wait())
+            grown: asyncio.Future[Any] = asyncio.ensure_future(self.logs.growth().wait())
+            waiting: set[asyncio.Future[Any]] = {grown, exit_task}
             try:
-                await asyncio.wait({grown, exit_task}, timeout=wait,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 grown.cancel()
 

@@ -27,7 +27,7 @@ class Command:
     health_path = "/health"
     lists_models = False
     # Any server at all: whatever it prints may be its "listening" line.
-    ready_lines = None
+    ready_lines: tuple[str, ...] | None = None
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         return [arg.replace(PORT_MACRO, str(port)) for arg in spec.command]

@@ -27,7 +27,7 @@ class LlamaServer:
     # server.cpp sets its ready flag, then logs "model loaded" (then "listening on ...", and
     # older builds "all slots are idle" once the loop runs). "loading model" comes first and
     # matches neither.
-    ready_lines = ("model loaded", "listening on", "all slots are idle")
+    ready_lines: tuple[str, ...] | None = ("model loaded", "listening on", "all slots are idle")
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         binary = find_executable(spec.binary, ("llama-server",))

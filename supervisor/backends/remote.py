@@ -17,7 +17,7 @@ class Remote:
     spawns = False
     health_path = "/health"  # unused: a remote is not probed (its requests tell its health)
     lists_models = False
-    ready_lines = None  # unused: nothing is started
+    ready_lines: tuple[str, ...] | None = None  # unused: nothing is started
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         raise TypeError(f"{spec.name}: a remote model has no process to start")

@@ -59,7 +59,7 @@ class Vllm:
     health_path = "/health"
     lists_models = True
     # uvicorn's line once the API server (engine up, routes mounted) accepts requests.
-    ready_lines = ("Application startup complete",)
+    ready_lines: tuple[str, ...] | None = ("Application startup complete",)
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         argv = [*vllm_command(spec),
