@@ -184,10 +184,10 @@ def llama_rounds(args: argparse.Namespace, model: Path) -> Times:
     return times
 
 
-def phases(log: Path) -> Times:
+def phases(log: Path, ready_line: str = "model loaded") -> Times:
     """Each start in a daemon's log, in its phases (ms): the model `starting` → its child
-    spawned, spawned → `ready`, and the child's own ready line ("model loaded") → `ready`:
-    how late corral knew, on corral's clock alone."""
+    spawned, spawned → `ready`, and the child's own `ready_line` (llama-server's "model
+    loaded") → `ready`: how late corral knew, on corral's clock alone."""
     out: Times = collections.defaultdict(list)
     starting = spawned = said = None
     for line in log.read_text(errors="replace").splitlines():
@@ -201,7 +201,7 @@ def phases(log: Path) -> Times:
             starting, spawned, said = at, None, None
         elif event == "child.spawned":
             spawned = at
-        elif event == "child.output" and "model loaded" in str(record.get("line")):
+        elif event == "child.output" and ready_line in str(record.get("line")):
             said = at
         elif event == "instance.state" and record.get("new") == "ready" and spawned:
             out["starting → spawned"].append(spawned - (starting or spawned))
@@ -232,7 +232,8 @@ def vllm_rounds(args: argparse.Namespace, folder: Path) -> Times:
     times: Times = collections.defaultdict(list)
     models = {"m": {"backend": "vllm", "model": str(checkpoint), "command": VLLM_COMMAND,
                     "ctx": 512, "parallel": 2, "ttl": 0}}
-    with corral_daemon(models, stop_timeout=90) as daemon, httpx.Client(timeout=600) as client:
+    with corral_daemon(models, stop_timeout=90, log_level="debug") as daemon, \
+            httpx.Client(timeout=600) as client:
         # Not counted: the first vLLM start reads its packages from disk and compiles its
         # model graphs into ~/.cache/vllm; later starts reuse both.
         bare_vllm(client, checkpoint, None)
@@ -241,6 +242,8 @@ def vllm_rounds(args: argparse.Namespace, folder: Path) -> Times:
                      lambda: corral_load(client, daemon.url, "corral", times, timeout=600)]
             for step in steps if round_no % 2 == 0 else steps[::-1]:
                 step()
+        for phase, values in phases(daemon.log, "Application startup complete").items():
+            times[f"corral {phase}"] = values
     return times
 
 
