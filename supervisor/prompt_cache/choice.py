@@ -127,7 +127,10 @@ def _message_key(message: object) -> Hashable:
     return (role_key, type(content).__name__, size)
 
 
-def _keys(path: str, conv: list[Any] | str) -> tuple[Hashable, Hashable] | None:
+_Key = tuple[Any, ...]
+
+
+def _keys(path: str, conv: list[Any] | str) -> tuple[_Key, _Key] | None:
     """A conversation's two index entries: `wide`, shared by every conversation with its
     first message (all that can share anything with it), and `narrow`, by those with its
     first two (all whose last request it can continue, but those of one message). A
@@ -151,7 +154,7 @@ class Choice:
         self._empty = collections.deque(range(n))
         self._wide: dict[Hashable, set[int]] = {}
         self._narrow: dict[Hashable, set[int]] = {}
-        self._keys: list[tuple[Hashable, Hashable] | None] = [None] * n
+        self._keys: list[tuple[_Key, _Key] | None] = [None] * n
         self._lru: list[tuple[float, int]] = []
 
     def choose(self, path: str, conv: list[Any] | str) -> int | None:
