@@ -328,12 +328,26 @@ async def _idle_saver(tmp_path: Path) -> None:
     (entry,) = cache.store.entries.values()
     assert entry.head is not None and entry.head.startswith("c:user:Fact 0")
 
+    # A stop that comes while an idle save is under way waits for it, and writes no more.
+    slots.records[0] = Record(CHAT, {"messages": [{"role": "user", "content": _FACTS + "?"}]})
+    slots.gate.clear()
+    slots.listed.clear()
+    saver = Saver(slots, cache, lambda: False, _Log())  # type: ignore[arg-type]
+    saver.turn_ended()
+    await asyncio.wait_for(slots.listed.wait(), 5)
+    stop = asyncio.create_task(saver.at_stop())
+    await asyncio.sleep(0)  # the stop runs up to its wait
+    assert not stop.done()  # waiting for the idle save (at the child's listing)
+    slots.gate.set()
+    await asyncio.wait_for(stop, 5)
+    assert slots.posts == ["/slots/0?action=save"] * 2 and saver.changed() == []
+
     # A slot that served another request since is saved at the stop, once.
     slots.records[1] = Record(CHAT, {"messages": [{"role": "user", "content": "x" * 400}]})
     saver2 = Saver(slots, cache, lambda: False, _Log())  # type: ignore[arg-type]
     saver2._saved[0] = slots.records[0]
     await saver2.at_stop()
-    assert slots.posts == ["/slots/0?action=save", "/slots/1?action=save"]
+    assert slots.posts == ["/slots/0?action=save"] * 2 + ["/slots/1?action=save"]
     saver2.turn_ended()  # closed by its stop: no timer
     assert saver2._timer is None
 

@@ -91,8 +91,19 @@ class Saver:
             return  # a request in flight, or a save under way: the next turn's end re-arms
         if not self.changed():
             return
-        self._task = asyncio.create_task(self._save_changed(idle=True),
+        self._task = asyncio.create_task(self._idle_save(),
                                          name=f"prompt-cache-idle:{self._slots.instance}")
+
+    async def _idle_save(self) -> None:
+        # Bounded as a stop's saves are: a child that hangs on a save must not keep the
+        # next idle save (one at a time) from ever beginning.
+        timeout = self._cache.settings().save_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self._save_changed(idle=True)
+        except TimeoutError:
+            self._log.warning("prompt_cache.save_cut_short", error="TimeoutError",
+                              timeout=timeout, idle=True)
 
     def close(self) -> None:
         self._closed = True
