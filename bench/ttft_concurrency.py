@@ -19,21 +19,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 from _harness import (
     NGINX_MISSING,
     QUIET,
     REPO,
+    Corral,
     Endpoint,
     corral_and_its_child,
+    corral_daemon,
     cpu_seconds,
     machine_note,
     nginx_proxy,
@@ -138,6 +143,11 @@ async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tok
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("tiny", "smol"), default="tiny")
+    parser.add_argument("--fake", action="store_true",
+                        help="bench/fast_upstream.py (a token every --pace-us, no prefill) "
+                             "instead of llama-server: what corral alone adds to a burst")
+    parser.add_argument("--pace-us", type=int, default=0,
+                        help="fast_upstream's pace (it sleeps blocking: 0 for bursts)")
     parser.add_argument("--parallel", type=int, default=128, help="the child's slots")
     parser.add_argument("--streams", default="32,128", help="concurrent streams, comma list")
     parser.add_argument("--tokens", type=int, default=32)
@@ -157,8 +167,10 @@ def main() -> None:
                                          "defaults": {"max_queue": 4096}}
             # llama-server's own HTTP threads (parallel + 2 by default): every stream is
             # taken at once, on both paths.
-            with corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
-                                      **config) as (proxied, child), \
+            served = (_fake(args.parallel, args.pace_us, config) if args.fake else
+                      corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
+                                           **config))
+            with served as (proxied, child), \
                     nginx_proxy(child) as nginx:
                 paths = {"direct": child, "corral": proxied.endpoint}
                 if nginx is not None:
@@ -169,9 +181,12 @@ def main() -> None:
                     results.append((cache, streams, got))
                     _print_one(cache, streams, got)
     print(f"\nmachine: {machine_note()}")
-    print(f"model {args.model} ({model.name}), one llama-server child with --parallel "
-          f"{args.parallel}, ctx {ctx}; {args.tokens} tokens a stream (ignore_eos), every "
-          f"prompt distinct; {args.rounds} rounds, direct and corral alternating")
+    upstream = (f"bench/fast_upstream.py, a token every {args.pace_us} µs, parallel "
+                f"{args.parallel}" if args.fake else
+                f"model {args.model} ({model.name}), one llama-server child with --parallel "
+                f"{args.parallel}, ctx {ctx}")
+    print(f"{upstream}; {args.tokens} tokens a stream (ignore_eos), every prompt distinct; "
+          f"{args.rounds} rounds, paths alternating")
     print(f"{'cache':5s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
           f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}   "
           f"{'nginx added p50':>15s} {'tok/s':>6s}")
@@ -190,6 +205,20 @@ def main() -> None:
         print(NGINX_MISSING)
     print(f"targets: added TTFT p50 <= +{TARGET_TTFT_MS:g} ms, tokens/s >= {TARGET_TOKENS} of "
           f"direct, CPU <= {TARGET_CPU_US:g} µs a chunk")
+
+
+@contextlib.contextmanager
+def _fake(parallel: int, pace_us: int, config: dict[str, object],
+          ) -> Iterator[tuple[Corral, Endpoint]]:
+    """corral with bench/fast_upstream.py as its `command` child of `parallel` slots."""
+    command = [sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port", "${PORT}",
+               "--pace-us", str(pace_us)]
+    models = {"tiny": {"backend": "command", "memory_mb": 64, "parallel": parallel, "ttl": 0,
+                       "health": "/health", "command": command}}
+    with corral_daemon(models, **config) as handle:
+        httpx.post(f"{handle.url}/admin/models/tiny/load", timeout=60).raise_for_status()
+        desc = httpx.get(f"{handle.url}/admin/models", timeout=10).json()["models"][0]
+        yield handle, Endpoint(f"http://127.0.0.1:{desc['port']}", {})
 
 
 def _print_one(cache: str, streams: int, got: dict[str, object]) -> None:
