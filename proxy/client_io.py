@@ -16,12 +16,14 @@ child connection's callback, and the relay's task waits (drain()) only when the 
 behind.
 
 Both fast paths read aiohttp's private writer internals (`protocol.writing_paused`, `chunked`,
-`length`, `send_headers`, `on_body_write`, write's `drain=`), which come and go between
-releases (3.10 has neither `send_headers` nor `writing_paused`; 3.14.3 has no `on_body_write`).
-The first prepared response checks them once (internals_missing()); where one is missing
-every response takes the public path (StreamResponse.write under the deadline, each write
-with its own timer), and one log line (`proxy.relay_public_writes`) names what was missing:
-slower, never broken."""
+`length`, `send_headers`, write's `drain=`), which come and go between releases (3.10 has
+neither `send_headers` nor `writing_paused`). The first prepared response checks them once
+(internals_missing()); where one is missing every response takes the public path
+(StreamResponse.write under the deadline, each write with its own timer), and one log line
+(`proxy.relay_public_writes`) names what was missing: slower, never broken. The writer's
+per-write hooks that through() would skip (`on_body_write`, 3.14.5 on; `_on_chunk_sent`, older)
+are client-side (upload progress, tracing): a writer where either is set, or a release
+without them, is checked per response, not required."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def internals_missing(stream: object) -> str | None:
     protocol = getattr(stream, "protocol", None)
     if not isinstance(getattr(protocol, "writing_paused", None), bool):
         return "protocol.writing_paused"
-    for name in ("chunked", "length", "on_body_write"):
+    for name in ("chunked", "length"):
         if not hasattr(stream, name):
             return name
     if not callable(getattr(stream, "send_headers", None)):
@@ -165,7 +167,8 @@ class ClientWriter:
         transport = self.request.transport
         if (stream is None or transport is None or not stream.chunked
                 or stream.length is not None or self.response.compression
-                or stream.on_body_write is not None):
+                or getattr(stream, "on_body_write", None) is not None
+                or getattr(stream, "_on_chunk_sent", None) is not None):
             return None
         stream.send_headers()  # the head first, when it is still held back for the body
         # Past the high-water mark the transport pauses the protocol (writing_paused): the

@@ -1,6 +1,7 @@
 """The relay without aiohttp's private writer internals (issue 39): an aiohttp that lacks one
-(3.10 has no `send_headers`, 3.14.3 no `on_body_write`) is detected once, logged once, and every
-answer still arrives whole through the public StreamResponse.write."""
+(3.10 has no `send_headers`) is detected once, logged once, and every answer still arrives whole
+through the public StreamResponse.write. A release without the `on_body_write` hook (3.14.0 to
+3.14.3) has no hook to skip: it keeps the fast path."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class _NoDrainArgument(_Complete):
 
 def test_detection_names_the_internal_a_writer_lacks():
     assert internals_missing(_Complete()) is None
-    assert internals_missing(_No_on_body_write()) == "on_body_write"
+    assert internals_missing(_No_on_body_write()) is None  # no hook: nothing skipped
     assert internals_missing(_NoSendHeaders()) == "send_headers"
     assert internals_missing(_OldProtocol()) == "protocol.writing_paused"
     assert internals_missing(_NoDrainArgument()) == "write(drain=)"
@@ -116,14 +117,14 @@ def test_detection_on_this_aiohttp_matches_what_it_has():
     asyncio.run(scenario())
     stream, missing = found
     has_all = (isinstance(getattr(stream.protocol, "writing_paused", None), bool)
-               and all(hasattr(stream, n) for n in ("chunked", "length", "on_body_write"))
+               and all(hasattr(stream, n) for n in ("chunked", "length"))
                and callable(getattr(stream, "send_headers", None)))
     assert (missing is None) == has_all, missing
 
 
 # -- through a real daemon to a real llama-server child, the detection forced ------------------
 
-FORCED = "on_body_write (forced by tests/test_relay_fallback.py)"
+FORCED = "send_headers (forced by tests/test_relay_fallback.py)"
 
 
 def _forcing_env(folder: Path) -> dict[str, str]:
@@ -196,3 +197,45 @@ def test_the_probe_runs_once_per_process(monkeypatch):
     assert client_io._Internals.usable(writer) is False  # type: ignore[arg-type]
     assert client_io._Internals.usable(writer) is False  # type: ignore[arg-type]
     assert len(calls) == 1
+
+
+class _Transport:
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16 * 1024, 64 * 1024
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def write(self, data: bytes) -> None:
+        pass
+
+
+class _Request:
+    transport = _Transport()
+
+
+class _Response:
+    compression = False
+
+
+def _through(stream: object) -> object:
+    out = client_io.ClientWriter(_Request(), _Response(), "m", 5.0,  # type: ignore[arg-type]
+                                 lambda model: None)
+    out._stream = stream  # type: ignore[assignment]
+    return out.through()
+
+
+def test_the_write_through_skips_no_hook_a_writer_has():
+    """through() puts chunks past aiohttp's write(): only where no per-write hook would be
+    skipped. A release without the hook attribute (3.14.0 to 3.14.3) has none to skip."""
+    assert callable(_through(_Complete()))
+    assert callable(_through(_No_on_body_write()))
+    hooked = _Complete()
+    hooked.on_body_write = lambda *a: None  # type: ignore[assignment]
+    assert _through(hooked) is None
+    traced = _Complete()
+    traced._on_chunk_sent = lambda chunk: None  # type: ignore[attr-defined]
+    assert _through(traced) is None
