@@ -11,12 +11,16 @@ blog.vllm.ai, 2025-10-26): models A and B alternate, each prompt a different que
   total   request → [DONE]
 Then a shared-prefix conversation (about --tokens tokens) on A: a turn on A, a turn on B (the
 swap that has A's conversation to save), then A's next turn (after the swap: the cache restores
-it; without the cache it is the same turn cold, the whole prefill again) and one more turn on A
-with nothing swapped (the floor). Between turns the client waits --think seconds, as a user
-reading the answer does (corral's idle saves happen there).
+it; without the cache it is the same turn cold, the whole prefill again), one more turn on A
+with nothing swapped (the floor), and at once a turn on B (a swap with no idle time before it:
+the stop has A's newest turns to save, or a save under way to wait for). Between the other
+turns the client waits --think seconds, as a user reading the answer does (corral's idle saves,
+`prompt_cache.idle_save_after`, 2 s by default, happen there).
 
-Both daemons (prompt cache on, off) run one after the other in each round, the order flipped
-every round, both with the same model files. Printed: per phase the medians, and the ratios
+Both daemons (prompt cache on, off) run at once in each round, each with its own children,
+and take turns step by step (the order flipped every step), so that the machine's other work
+falls on both alike; one child computes at a time. Both use the same model files. Printed:
+per phase the medians, and the ratios
   swap (cache on) / swap (cache off)     target <= 1.1 (issue 37)
   next turn after a swap / the same turn cold      target <= 0.20 on CPU
 Both models are SmolLM2 (A on the demo model's file, B on a copy of it) so the prefill is a
@@ -192,39 +196,71 @@ class Daemon:
     swap: Turn  # the turn on B that evicts A holding the conversation
     after: Turn  # A's next turn, after that swap
     warm: Turn  # the turn after that, nothing swapped
+    rush: Turn  # a turn on B right after `warm`, with no time for an idle save
 
 
-def run(cache: bool, a: Path, b: Path, args: argparse.Namespace, cache_dir: Path,
-        code: Path | None) -> Daemon:
+THINK = "think"  # what a protocol step yields when a user would read before the next one
+
+
+def protocol(client: httpx.Client, events: Events, args: argparse.Namespace,
+             out: list[Daemon]) -> Iterator[str | None]:
+    """One daemon's requests, step by step: it yields after each step (THINK where a user
+    would read the answer first), so that the two daemons' steps interleave."""
+    questions = iter(QUESTIONS * 4)
+    names = ["A", "B"]
+    switches = []
+    for i in range(args.switches + 1):  # the first request is a cold start, not a switch
+        q = [{"role": "user", "content": next(questions)}]
+        turn = ask(client, events, names[i % 2], q, args.answer_tokens)
+        if i:
+            switches.append(turn)
+        yield None
+    messages = conversation(args.tokens)
+    first = ask(client, events, "A", messages, args.answer_tokens)
+    yield THINK  # a user reading the answer: the child idles
+    swap = ask(client, events, "B", [{"role": "user", "content": next(questions)}],
+               args.answer_tokens)
+    yield THINK
+    messages = [*messages, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And the mill?"}]
+    after = ask(client, events, "A", messages, args.answer_tokens)
+    yield THINK
+    messages = [*messages, {"role": "assistant", "content": after.text},
+                {"role": "user", "content": "And the well?"}]
+    warm = ask(client, events, "A", messages, args.answer_tokens)
+    # No think time: the stop has A's last two turns to save, or a save under way to await.
+    rush = ask(client, events, "B", [{"role": "user", "content": next(questions)}],
+               args.answer_tokens)
+    out.append(Daemon(switches, first, swap, after, warm, rush))
+
+
+def run(a: Path, b: Path, args: argparse.Namespace, folder: Path, code: Path | None,
+        first: bool) -> dict[bool, Daemon]:
+    """Two daemons at once, the prompt cache on in one and off in the other, each with its
+    own child: every step of the protocol runs on one, then on the other (order flipped each
+    step, `first` goes first at the first), so the machine's other work hits both alike. Only
+    one child computes at a time; the other daemon's child sits idle."""
     ctx = 2 * args.tokens + 1024
     models = {"A": {"model": str(a), "ctx": ctx}, "B": {"model": str(b), "ctx": ctx}}
-    config: dict[str, Any] = {"policy": {"max_loaded": 1},
-                              "prompt_cache": {"enabled": cache, "dir": str(cache_dir)}}
-    with corral_daemon(models, code=code, **config) as daemon, \
-            httpx.Client(base_url=daemon.url, timeout=600) as client:
-        events = Events(daemon.url)
-        questions = iter(QUESTIONS * 4)
-        names = ["A", "B"]
-        switches = []
-        for i in range(args.switches + 1):  # the first request is a cold start, not a switch
-            q = [{"role": "user", "content": next(questions)}]
-            turn = ask(client, events, names[i % 2], q, args.answer_tokens)
-            if i:
-                switches.append(turn)
-        messages = conversation(args.tokens)
-        first = ask(client, events, "A", messages, args.answer_tokens)
-        time.sleep(args.think)  # a user reading the answer: the child idles
-        swap = ask(client, events, "B", [{"role": "user", "content": next(questions)}],
-                   args.answer_tokens)
-        time.sleep(args.think)
-        messages = [*messages, {"role": "assistant", "content": first.text},
-                    {"role": "user", "content": "And the mill?"}]
-        after = ask(client, events, "A", messages, args.answer_tokens)
-        time.sleep(args.think)
-        messages = [*messages, {"role": "assistant", "content": after.text},
-                    {"role": "user", "content": "And the well?"}]
-        warm = ask(client, events, "A", messages, args.answer_tokens)
-        return Daemon(switches, first, swap, after, warm)
+    got: dict[bool, list[Daemon]] = {False: [], True: []}
+    with contextlib.ExitStack() as stack:
+        steps = {}
+        for cache in (False, True):
+            config: dict[str, Any] = {
+                "policy": {"max_loaded": 1},
+                "prompt_cache": {"enabled": cache, "dir": str(folder / f"cache-{cache}")}}
+            daemon = stack.enter_context(corral_daemon(models, code=code, **config))
+            client = stack.enter_context(httpx.Client(base_url=daemon.url, timeout=600))
+            steps[cache] = protocol(client, Events(daemon.url), args, got[cache])
+        order = [first, not first]
+        while True:
+            said = [next(steps[cache], "done") for cache in order]
+            if "done" in said:
+                break
+            if THINK in said:
+                time.sleep(args.think)
+            order.reverse()
+    return {cache: done[0] for cache, done in got.items()}
 
 
 @contextmanager
@@ -273,31 +309,37 @@ def report(got: dict[bool, list[Daemon]], args: argparse.Namespace) -> None:
           f"between turns, median seconds (tokens the child prefilled):")
     print(f"{'':34}{'cache off':>18}{'cache on':>18}{'on/off':>8}")
     for name, which in (("first turn on A (swap + prefill)", "first"),
-                        ("turn on B (swap, A to save)", "swap"),
+                        ("turn on B after think (swap)", "swap"),
                         ("A's next turn after the swap", "after"),
-                        ("A's turn after that (no swap)", "warm")):
+                        ("A's turn after that (no swap)", "warm"),
+                        ("turn on B at once (no think)", "rush")):
         turns = {cache: [getattr(d, which) for d in got[cache]] for cache in (False, True)}
         off, on = (med([t.total for t in turns[cache]]) for cache in (False, True))
         n_off, n_on = (med([t.prefilled for t in turns[cache]]) for cache in (False, True))
         print(f"{name:34}{off:9.2f} s ({n_off:5.0f}){on:9.2f} s ({n_on:5.0f}){on / off:8.2f}")
-    save_s, save_b = phase(lambda d: d.swap.saved("A")[0]), phase(lambda d: d.swap.saved("A")[1])
-    stop_off, stop_on = phase(lambda d: d.swap.stop("A"))
-    print(f"prompt-cache save of A on the swap's critical path (cache on): {save_s[1]:.3f} s, "
-          f"{save_b[1] / (1 << 20):.1f} MiB; A's stop in that swap: off {stop_off:.3f} s, "
-          f"on {stop_on:.3f} s")
+    for name, which in (("after think", "swap"), ("at once", "rush")):
+        saved = [getattr(d, which).saved("A") for d in got[True]]
+        stop_off, stop_on = (med([getattr(d, which).stop("A") for d in got[cache]])
+                             for cache in (False, True))
+        print(f"swap to B {name}: A's stop took {stop_off:.3f} s (cache off), {stop_on:.3f} s "
+              f"(cache on), of which saves {med([s for s, _ in saved]):.3f} s, "
+              f"{med([b for _, b in saved]) / (1 << 20):.1f} MiB")
     print(f"tokens restored into A's next turn (cache on): "
           f"{phase(lambda d: d.after.restored())[1]:.0f}")
 
     swap_plain = rows["total (request → [DONE])"]
     swap_conv = phase(lambda d: d.swap.total)
+    swap_rush = phase(lambda d: d.rush.total)
     after = phase(lambda d: d.after.total)
     per_round = [on.after.total / off.after.total
                  for on, off in zip(got[True], got[False], strict=True)]
     print("\nratios (one run):")
     _target(f"swap, cache on / off ({args.switches} switches, short prompts)",
             swap_plain[1] / swap_plain[0], TARGET_SWAP)
-    _target("swap with a conversation to save, cache on / off", swap_conv[1] / swap_conv[0],
+    _target("swap after think, A holding the chat, on / off", swap_conv[1] / swap_conv[0],
             TARGET_SWAP)
+    _target("swap right after A's turn (no think), cache on / off",
+            swap_rush[1] / swap_rush[0], TARGET_SWAP)
     _target("A's next turn after the swap / the same turn cold", after[1] / after[0],
             TARGET_NEXT_TURN, f" (rounds: {', '.join(f'{r:.2f}' for r in per_round)})")
 
@@ -330,9 +372,9 @@ def main() -> None:
             contextlib.ExitStack() as stack:
         code = None if args.code is None else stack.enter_context(checkout(args.code))
         for r in range(args.rounds):
-            for cache in ((False, True) if r % 2 == 0 else (True, False)):
-                got[cache].append(run(cache, a, b, args, Path(tmp) / f"cache-{cache}-{r}",
-                                      code))
+            folder = Path(tmp) / f"round-{r}"
+            for cache, done in run(a, b, args, folder, code, first=r % 2 == 1).items():
+                got[cache].append(done)
     print(f"machine after the run: {machine_note()}; {time.monotonic() - began:.0f} s in all")
     report(got, args)
 

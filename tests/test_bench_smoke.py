@@ -30,7 +30,8 @@ def test_swap_bench_times_each_switch_and_prints_its_ratios(smol_model: Path) ->
     assert "nan" not in table, out
     for row in ("stop (the other model)", "start (to ready)", "first token", "total",
                 "A's next turn after the swap", "swap, cache on / off",
-                "swap with a conversation to save, cache on / off",
+                "swap after think, A holding the chat, on / off",
+                "swap right after A's turn (no think), cache on / off",
                 "A's next turn after the swap / the same turn cold"):
         assert row in table, out
     restored = next(line for line in table.splitlines()
