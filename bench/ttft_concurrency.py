@@ -85,7 +85,7 @@ async def _stream(session: aiohttp.ClientSession, to: Endpoint, i: int, tokens: 
             if count and not events:
                 first = (time.perf_counter() - started) * 1000
             events += count
-            tail = chunk
+            tail = (tail + chunk)[-64:]  # "[DONE]" may straddle two reads too
     assert tail.endswith(b"data: [DONE]\n\n"), tail[-200:]
     return first, events - 1
 
