@@ -299,11 +299,12 @@ class ChildProcess:
                            timeout: float, ready_lines: ReadyLines = None) -> None:
         """Probe `ready` (given the seconds it may take) until it says yes. A probe goes out
         at once when the child prints a line that says it may be ready (`ready_lines`: any
-        line containing one of them; None: any output at all), and otherwise POLL_S after the
-        last one began: never more than POLL_S late, even for a child that prints nothing.
-        One probe at a time: output during a probe brings the next one right after it. Each
-        probe races the child's exit, so a child that dies is noticed at once, even while a
-        probe hangs on a port someone else holds."""
+        line containing one of them; None: any output at all), WAKE_GAP_S after the last one
+        at the soonest and so for HOT_S after that line; otherwise POLL_S after the last one
+        began: never more than POLL_S late, even for a child that prints nothing. One probe
+        at a time: such a line during a probe brings the next one right after it. Each probe
+        races the child's exit, so a child that dies is noticed at once, even while a probe
+        hangs on a port someone else holds."""
         assert self._proc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
