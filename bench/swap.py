@@ -340,6 +340,15 @@ def report(got: dict[bool, list[Daemon]], args: argparse.Namespace) -> None:
             TARGET_SWAP)
     _target("swap right after A's turn (no think), cache on / off",
             swap_rush[1] / swap_rush[0], TARGET_SWAP)
+    # What the cache itself adds to a swap, from corral's own clock: the extra time the other
+    # model's stop took (its saves, or the wait for one under way), over the cache-off swap.
+    # On a loaded machine the wall-clock ratios above move with other work; this one does not.
+    for name, which in (("after think", "swap"), ("at once", "rush")):
+        stop_off, stop_on = (med([getattr(d, which).stop("A") for d in got[cache]])
+                             for cache in (False, True))
+        total_off = med([getattr(d, which).total for d in got[False]])
+        _target(f"swap {name}, events: (off + stop added) / off",
+                1 + (stop_on - stop_off) / total_off, TARGET_SWAP)
     _target("A's next turn after the swap / the same turn cold", after[1] / after[0],
             TARGET_NEXT_TURN, f" (rounds: {', '.join(f'{r:.2f}' for r in per_round)})")
 
