@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 from corral.supervisor.config.issues import ConfigIssue, Loc
 from corral.supervisor.config.loaded import LoadedConfig
 
-__all__ = ["missing_files"]
+__all__ = ["missing_files", "setup_step"]
 
 
 def missing_files(loaded: LoadedConfig) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
 
     def missing(loc: Loc, path: Path | str, what: str = "") -> None:
-        issues.append(loaded.issue(loc, f"{what + ' ' if what else ''}{path} does not exist"))
+        step = setup_step(path)
+        issues.append(loaded.issue(loc, f"{what + ' ' if what else ''}{path} does not exist"
+                                        + (f" ({step} in corral's checkout sets it up)"
+                                           if step else "")))
 
-    if loaded.models_folder is not None:
+    # The default folder (`models` beside the file) may be missing: nothing asked for it.
+    if loaded.models_folder is not None and loaded.config.models_dir is not None:
         if not loaded.models_folder.exists():
             missing(("models_dir",), loaded.models_folder, "folder")
         elif not loaded.models_folder.is_dir():
@@ -47,6 +52,24 @@ def missing_files(loaded: LoadedConfig) -> list[ConfigIssue]:
         if m.command and m.backend in ("vllm", "command"):
             _executable(spec.command[0], (*at, "command", 0), missing)
     return issues
+
+
+# What the shipped presets name that a set-up step of corral's Makefile puts in place: a
+# preset that needs one is not broken on a machine that has not run it, and says which.
+_SETUP_FOLDERS = {("build", "vllm-venv"): "`make vllm`", ("build", "hf-venv"): "`make hf`"}
+_SETUP_FILES = {("models", "SmolLM2-135M-Instruct.Q4_1.gguf"): "`make demo-model`",
+                ("models", "all-MiniLM-L6-v2.F16.gguf"): "`make embed-model`"}
+
+
+def setup_step(path: Path | str) -> str | None:
+    """The Makefile target that creates `path`, when it is one of those (None: any other)."""
+    parts = Path(path).parts
+    if parts and parts[-1] == "models":  # the folder itself, as models_dir
+        return "`make demo-model`"
+    pairs = list(pairwise(parts))
+    if pairs and pairs[-1] in _SETUP_FILES:
+        return _SETUP_FILES[pairs[-1]]
+    return next((_SETUP_FOLDERS[p] for p in pairs if p in _SETUP_FOLDERS), None)
 
 
 def _executable(value: str | None, loc: Loc, missing: Callable[[Loc, str], None]) -> None:
