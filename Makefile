@@ -64,6 +64,26 @@ $(HF_VENV)/.installed:
 test: demo-model embed-model vllm hf agents system-deps
 	$(BIN)/pytest
 
+# The lowest versions pyproject.toml allows for corral's own dependencies (.ci/floors.py pins
+# each `>=` floor), in a venv of their own: the relay, client-io and streaming tests and the
+# import/CLI smoke run on them, so every floor pyproject declares is one that works. The test
+# tools stay at their newest. Rebuilt when pyproject changes; pip's caches make that seconds.
+LOWEST_VENV  := build/lowest-venv
+LOWEST_TESTS := tests/test_lowest_versions.py tests/test_client_io.py \
+                tests/test_relay_fallback.py tests/test_serving.py
+.PHONY: test-lowest
+test-lowest: $(LOWEST_VENV)/.installed demo-model
+	$(LOWEST_VENV)/bin/python .ci/floors.py --check
+	$(LOWEST_VENV)/bin/pytest -p no:cacheprovider $(LOWEST_TESTS)
+
+$(LOWEST_VENV)/.installed: pyproject.toml .ci/floors.py
+	rm -rf $(LOWEST_VENV)
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(PYTHON) .ci/floors.py > $(LOWEST_VENV)/floors.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LOWEST_VENV)/bin/pip install --progress-bar off \
+	  -c $(LOWEST_VENV)/floors.txt -e '.[llama,test]'
+	touch $@
+
 # The coding agents tests/test_agents.py and the docs point at corral, installed the way their
 # users install them (npm), pinned, into build/agents; skipped when these versions are there.
 # Both packages ship a native binary per platform; node only runs codex's small launcher.
