@@ -260,7 +260,9 @@ def test_models_folder_is_read_relative_to_the_config_that_sets_it(tmp_path, mon
     assert models_folder(loaded) == (tmp_path / "m").resolve()
     monkeypatch.chdir(tmp_path)
     assert models_folder(default_config(Path("here"))) == tmp_path / "here"
-    assert models_folder(parse_config("", source=tmp_path / "c.yaml")) is None
+    # A config file that sets none: `models` beside it; a text with no file: none.
+    assert models_folder(parse_config("", source=tmp_path / "c.yaml")) == tmp_path / "models"
+    assert models_folder(parse_config("")) is None
 
 
 def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):

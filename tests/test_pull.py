@@ -517,18 +517,17 @@ def test_corral_pull_end_to_end(server: Server, tmp_path: Path) -> None:
     assert server.seen("/owner/repo/resolve/main/tiny.gguf")
 
 
-def test_corral_pull_with_a_config_that_sets_no_models_dir_uses_pulls_default(
+def test_corral_pull_with_a_config_that_sets_no_models_dir_pulls_beside_it(
         server: Server, tmp_path: Path) -> None:
-    """As without -c: ./models of the working directory, and a note saying how the config's
-    daemon will list it (it discovers no folder of its own)."""
+    """Into the config's default models folder, `models` beside the file: where its daemon
+    lists it (tests/test_config_models_dir.py)."""
     data = server.blobs["tiny.gguf"]
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "corral.yaml").write_text("listen: 127.0.0.1:9999\n")
     done = cli(server.url("/files/tiny.gguf"), "-c", "conf/corral.yaml", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "models" / "tiny.gguf").read_bytes() == data
-    assert f"sets no models_dir: pulling into {tmp_path / 'models'}" in done.stderr
-    assert f"--models-dir {tmp_path / 'models'}" in done.stderr
+    assert (tmp_path / "conf" / "models" / "tiny.gguf").read_bytes() == data
+    assert not (tmp_path / "models").exists()
 
 
 # -- POST /admin/pull ----------------------------------------------------------------------------

@@ -25,11 +25,13 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.config.strategy import resolve_strategy
 from corral.supervisor.discovery import discover
 
-__all__ = ["VLLM_START_TIMEOUT", "resolve", "resolve_all"]
+__all__ = ["DEFAULT_MODELS_DIR", "VLLM_START_TIMEOUT", "resolve", "resolve_all"]
 
 T = TypeVar("T")
 # vLLM loads the model and captures CUDA graphs before /health answers: minutes on a big model.
 VLLM_START_TIMEOUT = 900.0
+# The models folder of a config file that names none: beside the file.
+DEFAULT_MODELS_DIR = "models"
 
 
 def _capabilities(m: ModelConfig) -> tuple[str, ...]:
@@ -176,8 +178,11 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
         )
 
     models = {name: build(name, m) for name, m in config.models.items()}
-    models_folder = _absolute(config.models_dir, base_of(("models_dir",))) \
-        if config.models_dir else None
+    # A config file that names no models_dir discovers `models` beside it, as one that wrote
+    # `models_dir: models` (what docs/configuration.md gives as the default); a config given as
+    # text, with no file, has no folder to be beside.
+    models_dir = config.models_dir or (DEFAULT_MODELS_DIR if source is not None else None)
+    models_folder = _absolute(models_dir, base_of(("models_dir",))) if models_dir else None
     if models_folder is not None:
         # Every model file not configured already is a model with all the defaults.
         for found in discover(models_folder):

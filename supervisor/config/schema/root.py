@@ -24,7 +24,9 @@ class Config(BaseModel):
         [], description="files merged in before this one (relative to it), in order; "
         "one name or a list")
     listen: str = "127.0.0.1:8080"
-    models_dir: str | None = None
+    models_dir: str | None = Field(
+        None, description="folder whose *.gguf files become on-demand models (relative to "
+        "this file). Default: `models` beside the config file, if it is there")
     api_keys: list[SecretStr] = []
     admin_api_keys: list[SecretStr] = []
     admin_open: bool = Field(
