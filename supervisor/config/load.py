@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from corral.supervisor import demo
+from corral.supervisor.config.foreign import GUIDE, recognise
 from corral.supervisor.config.include import Document, read_config_file, read_config_text
 from corral.supervisor.config.issues import ConfigError, ConfigIssue, issue_at
 from corral.supervisor.config.loaded import LoadedConfig
@@ -80,8 +81,7 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
         except ValidationError as exc:
             errors = exc.errors()
             if round_ == 0:  # later rounds' errors are what the pruning itself caused
-                issues += [issue_at(filename, doc.lines, tuple(err["loc"]), err["msg"])
-                           for err in errors]
+                issues += _schema_issues(doc, filename, errors)
             if not [err for err in errors if _prune(data, tuple(err["loc"]))]:
                 break
     loaded: LoadedConfig | None = None
@@ -92,6 +92,23 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
         issues += more
     return Inspection(loaded, [*doc.issues, *(i for i in issues if not _under(i.key, unset))],
                       doc.files)
+
+
+def _schema_issues(doc: Document, filename: str, errors: list[Any]) -> list[ConfigIssue]:
+    """The schema's errors; where the config is another tool's (foreign.py), each of its keys
+    the schema refused, or that sits under one it refused, says corral's name instead."""
+    refused = [tuple(err["loc"]) for err in errors]
+    shape, pointers = recognise(doc.data)
+    said = {loc: pointers.pop(loc) for loc in refused if loc in pointers}
+    found = [issue_at(filename, doc.lines, loc, said.get(loc, err["msg"]))
+             for loc, err in zip(refused, errors, strict=True)]
+    found += [issue_at(filename, doc.lines, loc, pointer) for loc, pointer in pointers.items()
+              if any(loc[:len(r)] == r for r in refused)]
+    if shape is not None and (said or len(found) > len(errors)):
+        found.insert(0, issue_at(filename, {}, (), f"this looks like {shape.tool}'s config "
+                                                   f"(see {GUIDE}): corral's key for each of "
+                                                   f"its keys follows"))
+    return found
 
 
 def _under(key: str, keys: set[str]) -> bool:
