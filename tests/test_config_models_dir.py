@@ -97,3 +97,14 @@ def test_the_daemon_lists_a_file_put_there_and_pulls_into_it(
         wait_until(lambda: "pulled" in listed(), timeout=30)
     assert (folder / "pulled.gguf").read_bytes() == (source / "pulled.gguf").read_bytes()
     assert listed() == {"tiny-a", "dropped", "pulled"}
+
+
+def test_a_model_configured_through_a_link_in_the_folder_is_not_found_twice(
+        tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """A config beside `models/` naming a file there that links elsewhere (as a models folder
+    of links to a cache has): one model, so an alias named like the file is no clash."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "qwen.gguf").symlink_to(tiny_models["tiny-a"])
+    loaded = parse_config("models:\n  chat:\n    model: models/qwen.gguf\n"
+                          "    aliases: [qwen]\n", source=tmp_path / "corral.yaml")
+    assert set(loaded.models) == {"chat"} and loaded.aliases == {"qwen": "chat"}

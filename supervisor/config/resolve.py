@@ -185,8 +185,10 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     models_folder = _absolute(models_dir, base_of(("models_dir",))) if models_dir else None
     if models_folder is not None:
         # Every model file not configured already is a model with all the defaults.
+        # A file configured through a link (or found through one) is the same file.
+        configured = {s.model_path.resolve() for s in models.values()}
         for found in discover(models_folder):
-            if found.name in models or any(s.model_path == found.path for s in models.values()):
+            if found.name in models or found.path.resolve() in configured:
                 continue
             models[found.name] = build(found.name, ModelConfig(
                 model=str(found.path), mmproj=str(found.mmproj) if found.mmproj else None))
