@@ -141,6 +141,11 @@ bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/prompt_cache.py
 	$(BIN)/python bench/votes.py
 	$(BIN)/python bench/edge_check.py
+	$(BIN)/python bench/ttft_concurrency.py --fake
+	$(BIN)/python bench/ttft_concurrency.py
+	$(BIN)/python bench/relay_nginx.py
+	$(BIN)/python bench/swap.py
+	$(BIN)/python bench/serving.py
 
 # Issue 37's two benches, apart from `make bench`: model swaps (A and B alternating, a
 # conversation swapped out and back) with the prompt cache on and off, and the serving metrics
@@ -160,12 +165,12 @@ soak: setup
 # binary is wanted (each bench runs its own nginx in a temp dir), so the distro's service that
 # the package may start on :80 is stopped and disabled again.
 nginx:
-	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	@{ command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; } && command -v wrk >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; \
 	  else echo "nginx missing and not root: benches run without the reference proxy"; exit 0; fi; \
-	  echo "installing nginx (the benches' reference proxy)"; \
-	  $$SUDO apt-get install -y nginx >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y nginx >/dev/null 2>&1; } || \
+	  echo "installing nginx (the benches' reference proxy) and wrk (relay_nginx.py's load)"; \
+	  $$SUDO apt-get install -y nginx wrk >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y nginx wrk >/dev/null 2>&1; } || \
 	  echo "could not install nginx: benches run without the reference proxy"; \
 	  $$SUDO systemctl disable --now nginx >/dev/null 2>&1 || true; }
 

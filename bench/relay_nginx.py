@@ -42,11 +42,11 @@ wrk.body = {body}
 wrk.headers["Content-Type"] = "application/json"
 {headers}
 """
-_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0, "m": 60000.0}
 
 
 def _ms(text: str) -> float:
-    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
     return float(number) * _UNITS[unit]
 
 
@@ -60,8 +60,8 @@ def run_wrk(wrk: str, to: Endpoint, body: dict[str, object], seconds: float,
                           "--latency", "-s", str(script), to.url + "/v1/chat/completions"],
                          capture_output=True, text=True, check=True).stdout
     got = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
-           "p50": _ms(re.search(r"50%\s+(\S+)", out).group(1)),  # type: ignore[union-attr]
-           "p99": _ms(re.search(r"99%\s+(\S+)", out).group(1)),  # type: ignore[union-attr]
+           "p50": _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
+           "p99": _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
            "requests": float(re.search(r"(\d+) requests in", out).group(1))}  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
