@@ -62,7 +62,7 @@ $(HF_VENV)/.installed:
 	touch $@
 
 test: demo-model embed-model vllm hf agents system-deps
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=20
 
 # The lowest versions pyproject.toml allows for corral's own dependencies (.ci/floors.py pins
 # each `>=` floor), in a venv of their own: the relay, client-io and streaming tests and the
