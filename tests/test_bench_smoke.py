@@ -8,10 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-VLLM_PYTHON = BENCH.parent / "build" / "vllm-venv" / "bin" / "python"
+VLLM_PYTHON = BENCH.parent / "build" / "vllm-venv" / "bin" / "python"  # `make vllm` (make test)
 
 
 def run_bench(*argv: str, timeout: float) -> str:
@@ -39,8 +37,9 @@ def test_swap_bench_times_each_switch_and_prints_its_ratios(smol_model: Path) ->
     assert int(restored.rsplit(":", 1)[1]) > 0, out  # the cache-on daemon restored the turn
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv: `make vllm` builds it")
 def test_serving_bench_runs_vllm_bench_serve_on_both_paths(smol_model: Path) -> None:
+    # Never skipped: make test builds the vLLM venv first; a missing one is a failed set-up.
+    assert VLLM_PYTHON.exists(), "no vLLM venv: `make vllm` builds it (make test does)"
     out = run_bench("serving.py", "--rounds", "1", "--num-prompts", "2", "--concurrency", "1",
                     "--input-len", "16", "--output-len", "4", "--model", str(smol_model),
                     timeout=240)
