@@ -137,10 +137,11 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                 raise _child_broken(model, exc, "while answering") from exc
             if record is not None:
                 record.first_bytes()
-                record.answer = payload  # its usage is read once it is sent (finish)
                 if lease.restored is not None:
-                    record.read_usage(payload)  # now: the prompt cache checks its restore
+                    record.read_usage(payload)  # now, once: the prompt cache checks its restore
                     lease.reused(record.cache_n)
+                else:
+                    record.answer = payload  # its usage is read once it is sent (finish)
             if lease.served_name is not None:
                 payload = rename_answer(payload, lease.served_name, lease.model, wire)
             if started is not None:

@@ -210,14 +210,7 @@ class Choice:
             self._empty.popleft()
         elif slot in self._empty:
             self._empty.remove(slot)  # a caller's own choice (one slot): rare
-        old = self._keys[slot]
-        if old is not None:
-            for index, key in ((self._wide, old[0]), (self._narrow, old[1])):
-                group = index.get(key)
-                if group is not None:
-                    group.discard(slot)
-                    if not group:
-                        del index[key]
+        self._unindex(slot)
         self.records[slot] = record
         if conv is None and isinstance(record.raw, dict):
             conv = conversation(record.path, record.body)
@@ -226,6 +219,25 @@ class Choice:
         if keys is not None:
             self._wide.setdefault(keys[0], set()).add(slot)
             self._narrow.setdefault(keys[1], set()).add(slot)
+
+    def forget(self, slot: int) -> None:
+        """`slot` holds nothing corral knows of (its request never reached the child): empty
+        again, out of the indexes. Still leased until `release`."""
+        self._unindex(slot)
+        self.records[slot] = None
+        self._keys[slot] = None
+        if slot not in self._empty:
+            self._empty.appendleft(slot)
+
+    def _unindex(self, slot: int) -> None:
+        old = self._keys[slot]
+        if old is not None:
+            for index, key in ((self._wide, old[0]), (self._narrow, old[1])):
+                group = index.get(key)
+                if group is not None:
+                    group.discard(slot)
+                    if not group:
+                        del index[key]
 
     def release(self, slot: int) -> None:
         self.leased.discard(slot)

@@ -201,6 +201,7 @@ class Saver:
         # From the request to the child until the file is in the index, a request that comes
         # does not cancel the save: the file would be written and never found.
         self._writing = True
+        indexed = False
         try:
             status, data = await slots.post(f"/slots/{slot}?action=save", {"filename": name})
             if status != 200 or not isinstance(data, dict):
@@ -211,8 +212,13 @@ class Saver:
                             n_tokens=int(data.get("n_saved") or len(tokens)), bytes=size,
                             fingerprint=digest, saved_at=now, last_used=now,
                             head=record.head))
+            indexed = True
         finally:
             self._writing = False
+            if not indexed:
+                # Failed, or cancelled (a stop past save_timeout, a child that died): a file
+                # the child wrote must not sit outside the index and the budget until restart.
+                (store.dir / name).unlink(missing_ok=True)
         self._saved[slot] = record
         seconds = time.monotonic() - began
         when = "idle" if idle else "stop"

@@ -112,7 +112,13 @@ class Slots:
         empty = self.records[slot] is None
         choice.take(slot, record, conv)  # leased: no other request gets it while it restores
         if empty:
-            await self._restore(lease, slot, record)
+            try:
+                await self._restore(lease, slot, record)
+            except BaseException:
+                # Cancelled (the client hung up): the request never reaches the child, so
+                # the slot must not be saved later under its tokens.
+                choice.forget(slot)
+                raise
         if not isinstance(body, (bytes, bytearray)):
             return {**parsed, "id_slot": slot}
         if "id_slot" not in parsed:
