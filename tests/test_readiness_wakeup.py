@@ -235,3 +235,15 @@ def test_a_cancelled_wait_leaves_no_probe_running() -> None:
         await child.stop(1)
 
     uvloop.run(run())
+
+
+def test_a_childs_access_line_of_the_probe_itself_wakes_no_probe() -> None:
+    # A command child logging each request (http.server, uvicorn) writes a line per probe:
+    # were it a wake-up, the probes would feed themselves (~175 a second, measured).
+    from corral.supervisor.process import _says_ready
+
+    access = ['127.0.0.1 - - [27/Nov/2026 08:00:00] "GET /health HTTP/1.1" 503 -']
+    assert not _says_ready(access, None, "/health")
+    assert _says_ready([*access, "Uvicorn running on http://127.0.0.1:8000"], None, "/health")
+    assert _says_ready(access, None, None)  # no path given: any output still wakes
+    assert not _says_ready(access, ("model loaded",), "/health")

@@ -161,7 +161,8 @@ class Launch:
         try:
             self._on_spawn()
             await process.wait_healthy(self._readiness(port, headers), self._start_timeout,
-                                       self._backend.ready_lines)
+                                       self._backend.ready_lines,
+                                       health_path(self.spec, self._backend))
         except ChildExited as exc:
             await stop_uncancellable(process)
             if not last_try and self._backend.lost_port_race(exc.tail):
