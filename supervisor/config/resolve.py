@@ -183,12 +183,13 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     # text, with no file, has no folder to be beside.
     models_dir = config.models_dir or (DEFAULT_MODELS_DIR if source is not None else None)
     models_folder = _absolute(models_dir, base_of(("models_dir",))) if models_dir else None
-    if models_folder is not None:
+    if models_folder is not None and models_folder.is_dir():
         # Every model file not configured already is a model with all the defaults.
         # A file configured through a link (or found through one) is the same file.
-        configured = {s.model_path.resolve() for s in models.values()}
+        # realpath, not resolve(): a link loop is returned as it is, not raised.
+        configured = {os.path.realpath(s.model_path) for s in models.values()}
         for found in discover(models_folder):
-            if found.name in models or found.path.resolve() in configured:
+            if found.name in models or os.path.realpath(found.path) in configured:
                 continue
             models[found.name] = build(found.name, ModelConfig(
                 model=str(found.path), mmproj=str(found.mmproj) if found.mmproj else None))
