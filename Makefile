@@ -167,7 +167,7 @@ soak: setup
 nginx:
 	@{ command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; } && command -v wrk >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; \
-	  else echo "nginx missing and not root: benches run without the reference proxy"; exit 0; fi; \
+	  else echo "nginx or wrk missing and not root: benches run without them"; exit 0; fi; \
 	  echo "installing nginx (the benches' reference proxy) and wrk (relay_nginx.py's load)"; \
 	  $$SUDO apt-get install -y nginx wrk >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y nginx wrk >/dev/null 2>&1; } || \
