@@ -33,7 +33,7 @@ def floors(pyproject: Path = PYPROJECT) -> dict[str, str]:
     return found
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """3.14 and 3.14.0 are one version to pip; compare them as such."""
     parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])]
     while parts and parts[-1] == 0:
@@ -48,7 +48,7 @@ def check() -> int:
             have = metadata.version(name)
         except metadata.PackageNotFoundError:
             have = "missing"
-        if have == "missing" or _release(have) != _release(floor):
+        if have == "missing" or release(have) != release(floor):
             wrong.append(f"{name}: {have} installed, the floor is {floor}")
     for line in wrong:
         print(f"error: {line}", file=sys.stderr)

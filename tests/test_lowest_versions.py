@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci"))
-from floors import floors  # noqa: E402
+from floors import floors, release  # noqa: E402
 
 CLI = [sys.executable, "-m", "corral.supervisor.cli"]
 # The module each distribution is imported as.
@@ -24,10 +24,6 @@ MODULES = {"aiohttp": "aiohttp", "httptools": "httptools", "uvloop": "uvloop",
            "structlog": "structlog", "watchfiles": "watchfiles", "psutil": "psutil",
            "nvidia-ml-py": "pynvml", "pyyaml": "yaml", "pydantic": "pydantic", "gguf": "gguf",
            "prometheus_client": "prometheus_client"}
-
-
-def release(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
 
 
 @pytest.mark.parametrize("name", sorted(floors()))
