@@ -115,11 +115,11 @@ def test_detection_on_this_aiohttp_matches_what_it_has():
             await runner.cleanup()
 
     asyncio.run(scenario())
-    stream, missing = found
-    has_all = (isinstance(getattr(stream.protocol, "writing_paused", None), bool)
-               and all(hasattr(stream, n) for n in ("chunked", "length"))
-               and callable(getattr(stream, "send_headers", None)))
-    assert (missing is None) == has_all, missing
+    _, missing = found
+    # Every aiohttp pyproject allows (>= 3.14: checked on 3.14.0, 3.14.3, 3.14.5) has what the
+    # fast path reads: a probe that finds something missing here is the bug (it would turn
+    # the write-through off for everyone, silently but for one log line).
+    assert missing is None, missing
 
 
 # -- through a real daemon to a real llama-server child, the detection forced ------------------
