@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable
 from typing import cast
 
+import uvloop
+
 BATCH_S = 0.02
 # 1 MiB: Linux's default pipe-max-size for an unprivileged process. At that size a child
 # would have to log 50 MB/s to fill it within a batch and block on its own write.
@@ -106,8 +108,12 @@ class LineReader(asyncio.Protocol):
 async def read_lines(reader: LineReader, read_end: int) -> None:
     """Feed `reader` from `read_end` (which this takes over and closes) until end of file."""
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.connect_read_pipe(lambda: reader,
-                                                os.fdopen(read_end, "rb", buffering=0))
+    # uvloop hands the number to libuv, which closes it, and then closes the file object too
+    # (uvloop#763): a second close(2) of a number that another thread may have been given
+    # in between (the memory reader's /proc opens got EBADF that way). Under uvloop the file
+    # object must not own the descriptor; under asyncio's own loop it is the only closer.
+    file = os.fdopen(read_end, "rb", buffering=0, closefd=not isinstance(loop, uvloop.Loop))
+    transport, _ = await loop.connect_read_pipe(lambda: reader, file)
     try:
         await reader.done
     finally:

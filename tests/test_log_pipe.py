@@ -4,10 +4,15 @@ few reads however the child writes them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+import pytest
 import uvloop
 
 from corral.supervisor import log_pipe
@@ -104,3 +109,52 @@ def test_a_serving_child_keeps_lines_and_wakes_a_reader_once_per_batch() -> None
     # Once serving (wait_healthy said so), a wake-up per batch: one per BATCH_S at most, plus
     # the last lines read at the exit.
     assert 1 <= wakes <= elapsed / log_pipe.BATCH_S + 3, (wakes, elapsed)
+
+
+class _StealingFile(io.FileIO):
+    """The file object read_lines hands the loop, probed: when the loop closes it, a fresh pipe
+    is opened first. Linux gives out the lowest free number, so if the descriptor was already
+    closed, the new pipe takes that number, and a second close would close it (uvloop#763:
+    another thread's /proc read got EBADF that way)."""
+
+    stolen: list[int] = []
+
+    def close(self) -> None:
+        read_end, write_end = os.pipe()
+        self.stolen.extend((read_end, write_end))
+        super().close()
+
+
+def _probe_fdopen(fd: int, mode: str, buffering: int = -1, closefd: bool = True) -> io.FileIO:
+    assert mode == "rb" and buffering == 0
+    return _StealingFile(fd, "rb", closefd=closefd)
+
+
+async def _read_a_pipe_to_its_end() -> list[bytes]:
+    read_end, write_end = log_pipe.open_pipe()
+    os.write(write_end, b"one\ntwo")
+    os.close(write_end)
+    lines: list[bytes] = []
+    await asyncio.wait_for(log_pipe.read_lines(log_pipe.LineReader(lines.extend), read_end), 10)
+    return lines
+
+
+@pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
+def test_the_pipe_is_closed_once_and_nothing_else_is(
+        run: Callable[[Coroutine[Any, Any, list[bytes]]], list[bytes]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _StealingFile.stolen = []
+    monkeypatch.setattr(os, "fdopen", _probe_fdopen)
+    before = set(os.listdir("/proc/self/fd"))
+    assert run(_read_a_pipe_to_its_end()) == [b"one", b"two"]
+    monkeypatch.undo()
+    assert _StealingFile.stolen, "the loop never closed the file object"
+    try:
+        for fd in _StealingFile.stolen:
+            os.fstat(fd)  # EBADF: read_lines's close hit a number it no longer owned
+    finally:
+        for fd in _StealingFile.stolen:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    # ...and the pipe's own read end is closed: nothing new is left open.
+    assert set(os.listdir("/proc/self/fd")) <= before
