@@ -3,13 +3,16 @@ memory estimate and KV cache dtypes. No process handling here."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from corral.supervisor.backends.binaries import BinaryNotFound
 from corral.supervisor.config.specs import ModelSpec
@@ -134,21 +137,54 @@ def gpu_fraction(need_bytes: int, total_bytes: int) -> float:
     return min(1.0, max(1, steps) * _FRACTION_STEP)
 
 
-_help_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
+_help_cache: dict[str, tuple[str, ...]] = {}
 _CHOICES = re.compile(r"--kv-cache-dtype\s*\{([^}]*)\}")
 
 
+def _help_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "corral" / "vllm-kv-dtypes.json"
+
+
+def _installed_vllm(executable: str) -> list[str]:
+    """The vLLM distributions installed beside `executable` (a venv's bin/vllm or bin/python):
+    their dist-info names carry the version, so an upgrade that leaves the entry point's file
+    alone still changes the cache key."""
+    root = Path(os.path.realpath(executable)).parent.parent
+    return sorted(p.name for p in root.glob("lib/python*/site-packages/vllm*.dist-info"))
+
+
 def vllm_kv_dtypes(command: Sequence[str]) -> tuple[str, ...]:
-    """The KV cache dtypes the installed vLLM lists for --kv-cache-dtype (its --help, cached per
-    command and executable version; it imports torch, seconds)."""
+    """The KV cache dtypes the installed vLLM lists for --kv-cache-dtype: its --help, which
+    imports torch (10-20 s on a small box), so cached per command and installed version, in
+    memory and in $XDG_CACHE_HOME/corral (each `corral check` is a new process)."""
     executable = shutil.which(command[0]) or command[0]
     st = os.stat(executable)
-    key = (*command, os.path.realpath(executable), str(st.st_mtime_ns))
-    if key not in _help_cache:
-        result = subprocess.run([*command, "--help=kv-cache-dtype"], capture_output=True,
-                                text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
-        found = _CHOICES.search(result.stdout + result.stderr)
-        _help_cache[key] = tuple(c.strip() for c in found.group(1).split(",")) if found else ()
+    key = json.dumps([*command, os.path.realpath(executable), st.st_mtime_ns,
+                      *_installed_vllm(executable)])
+    if key in _help_cache:
+        return _help_cache[key]
+    cache_file = _help_cache_file()
+    try:
+        on_disk = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        on_disk = {}
+    if not isinstance(on_disk, dict):
+        on_disk = {}
+    known = on_disk.get(key)
+    if isinstance(known, list) and all(isinstance(c, str) for c in known):
+        _help_cache[key] = tuple(known)
+        return _help_cache[key]
+    result = subprocess.run([*command, "--help=kv-cache-dtype"], capture_output=True,
+                            text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
+    found = _CHOICES.search(result.stdout + result.stderr)
+    _help_cache[key] = tuple(c.strip() for c in found.group(1).split(",")) if found else ()
+    if found:  # a failed --help is asked again next time
+        with contextlib.suppress(OSError):
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**on_disk, key: list(_help_cache[key])}))
+            os.replace(tmp, cache_file)
     return _help_cache[key]
 
 
