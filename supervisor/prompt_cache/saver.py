@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from corral.supervisor.prompt_cache.choice import Record
+from corral.supervisor.prompt_cache.files import TEMP_SUFFIX, kv_per_token
 from corral.supervisor.prompt_cache.store import SUFFIX, Entry, fingerprint
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ class Saver:
         self._task: asyncio.Task[None] | None = None
         self._writing = False  # the child is writing a file for the task now
         self._closed = False
+        # The model's KV bytes per token (files.kv_per_token), read once: what a setup's
+        # first save is expected to take before any file of it tells. None: unknown.
+        self._per_token: float | None = None
+        self._per_token_read = False
 
     def changed(self) -> list[int]:
         """Slots whose last request was never saved (nor found not worth it), not leased."""
@@ -113,6 +118,15 @@ class Saver:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    def _abandoned(self, post: asyncio.Future[tuple[int, Any]], part: str) -> None:
+        """A save corral gave up on has ended in the child (answered, or the child went): its
+        temporary file is deleted now, and its reservation with it."""
+        if not post.cancelled():
+            post.exception()  # seen: whatever it was, the file is not wanted
+        self._cache.store.release(part)
+        self._log.info("prompt_cache.partial_deleted", file=part,
+                       reason="a save cut short ended in the child")
+
     # -- the stop ------------------------------------------------------------------------------
 
     async def at_stop(self) -> None:
@@ -175,14 +189,8 @@ class Saver:
                 if n < settings.min_tokens:
                     self._saved[slot] = record
                     continue
-                room = self._cache.store.room_for(key, n)
-                if room is not None:
-                    self._saved[slot] = record
-                    self._log.info("prompt_cache.save_skipped", slot=slot, tokens=n,
-                                   reason=room)
-                    continue
                 try:
-                    await self._save(slot, record, key, idle)
+                    await self._save(slot, record, key, idle, n)
                 except _SAVE_ERRORS as exc:
                     self._log.warning("prompt_cache.save_skipped", slot=slot,
                                       error=str(exc) or type(exc).__name__)
@@ -192,33 +200,59 @@ class Saver:
             self._log.warning("prompt_cache.save_cut_short", error=str(exc) or type(exc).__name__,
                               idle=idle)
 
-    async def _save(self, slot: int, record: Record, key: str, idle: bool) -> None:
-        slots = self._slots
-        tokens = await slots.tokens(record)
-        name = f"{secrets.token_hex(12)}{SUFFIX}"
+    async def _expected(self, key: str, n: int) -> int | None:
+        if not self._per_token_read:
+            self._per_token = await asyncio.to_thread(kv_per_token, self._slots.spec)
+            self._per_token_read = True
+        return self._cache.store.expected(key, n, self._per_token)
+
+    async def _save(self, slot: int, record: Record, key: str, idle: bool, n: int) -> None:
+        """Slot `slot` (holding `n` tokens) into a file: its expected size reserved in the
+        budget first (or the save skipped), written under a temporary name, renamed into
+        place and indexed once the child answered and the file's fingerprint was read;
+        deleted otherwise, once the child no longer writes it."""
+        slots, store = self._slots, self._cache.store
+        expected = await self._expected(key, n)
+        stem = secrets.token_hex(12)
+        part, name = f"{stem}{TEMP_SUFFIX}", f"{stem}{SUFFIX}"
+        room = store.reserve(part, expected)
+        if room is not None:
+            self._saved[slot] = record
+            self._log.info("prompt_cache.save_skipped", slot=slot, tokens=n, reason=room)
+            self._cache.events.publish("prompt_cache_save_skipped", model=slots.model,
+                                       instance=slots.instance, slot=slot, tokens=n,
+                                       bytes=expected, reason=room)
+            return
         began = time.monotonic()
-        store = self._cache.store
-        # From the request to the child until the file is in the index, a request that comes
-        # does not cancel the save: the file would be written and never found.
-        self._writing = True
+        post: asyncio.Future[tuple[int, Any]] | None = None
         indexed = False
         try:
-            status, data = await slots.post(f"/slots/{slot}?action=save", {"filename": name})
+            tokens = await slots.tokens(record)
+            # From the request to the child until the file is in the index, a request that
+            # comes does not cancel the save: the file would be written and never found.
+            self._writing = True
+            # The request runs on its own: cut short here (save_timeout, a stop), it still
+            # ends when the child answers or goes, and only then is its file deleted (deleted
+            # before, the child would write it again under the same name, unseen).
+            post = asyncio.ensure_future(
+                slots.post(f"/slots/{slot}?action=save", {"filename": part}))
+            status, data = await asyncio.shield(post)
             if status != 200 or not isinstance(data, dict):
                 raise RuntimeError(f"slot {slot}: save answered {status}: {str(data)[:200]}")
-            size, digest = await asyncio.to_thread(fingerprint, store.dir / name)
+            size, digest = await asyncio.to_thread(fingerprint, store.dir / part)
             now = time.time()
-            store.add(Entry(file=name, key=key, model=slots.model, tokens=tokens,
-                            n_tokens=int(data.get("n_saved") or len(tokens)), bytes=size,
-                            fingerprint=digest, saved_at=now, last_used=now,
-                            head=record.head))
+            store.commit(part, Entry(file=name, key=key, model=slots.model, tokens=tokens,
+                                     n_tokens=int(data.get("n_saved") or len(tokens)),
+                                     bytes=size, fingerprint=digest, saved_at=now,
+                                     last_used=now, head=record.head))
             indexed = True
         finally:
             self._writing = False
             if not indexed:
-                # Failed, or cancelled (a stop past save_timeout, a child that died): a file
-                # the child wrote must not sit outside the index and the budget until restart.
-                (store.dir / name).unlink(missing_ok=True)
+                if post is None or post.done():
+                    store.release(part)
+                else:
+                    post.add_done_callback(lambda done: self._abandoned(done, part))
         self._saved[slot] = record
         seconds = time.monotonic() - began
         when = "idle" if idle else "stop"

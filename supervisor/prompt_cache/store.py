@@ -3,6 +3,11 @@ KV-compatible setup (the key), how big, when last used. The index is a JSON file
 files, written whole (temporary file, then rename) at every change, so it survives a corral
 restart and a crash leaves either the old index or the new one.
 
+Several daemons may share the dir (files.py): every change to the index happens under the
+dir's flock and re-reads the index first, and a save is written under a temporary name,
+counted as pending (its expected size) from the moment it is asked for, and renamed into
+place and indexed in one step under the lock, or deleted.
+
 A file is trusted only when its size and fingerprint (hash of its head and tail) are what the
 index says: llama-server aborts (SIGABRT, the child dies) when it restores a truncated file,
 so a file that changed on disk is deleted, never handed to a child."""
@@ -21,6 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from corral.supervisor.prompt_cache.files import (
+    OWNER,
+    TEMP_SUFFIX,
+    DirLock,
+    alive,
+    expected_bytes,
+)
 
 log = structlog.get_logger("corral.prompt_cache")
 
@@ -104,25 +117,41 @@ class Store:
         # Bytes per token of the last file saved for each setup: a save that could not fit
         # the budget (or the disk) is not written at all.
         self._per_token: dict[str, float] = {}
+        # Saves in flight in this dir, this daemon's and others': temporary file name ->
+        # {"bytes", "owner", "since"}. Counted against the budget until indexed or deleted.
+        self.pending: dict[str, dict[str, Any]] = {}
+        self._seen: tuple[int, int, int] | None = None  # the index file as last read/written
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._load()
+        self._lock = DirLock(self.dir)
+        with self._lock.held():
+            self._load()
 
     # -- the index -----------------------------------------------------------------------------
 
-    def _load(self) -> None:
-        """Read the index; drop what does not check out (missing, truncated, changed), and
-        delete files the index does not name (a save whose index write never happened)."""
+    def _read(self) -> tuple[list[Entry], dict[str, dict[str, Any]]] | None:
+        """The index on disk: its entries and pending saves (None: unreadable)."""
         raw: list[dict[str, Any]] = []
+        pending: dict[str, dict[str, Any]] = {}
         try:
-            data = json.loads((self.dir / INDEX).read_text())
+            path = self.dir / INDEX
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = json.loads(f.read())
+            self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
             if isinstance(data, dict) and data.get("version") == _VERSION:
                 raw = [e for e in data.get("entries", []) if isinstance(e, dict)]
+                pending = {str(p["file"]): p for p in data.get("pending", [])
+                           if isinstance(p, dict) and isinstance(p.get("file"), str)
+                           and isinstance(p.get("bytes"), int)}
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as exc:
             log.warning("prompt_cache.index_unreadable", dir=str(self.dir), error=str(exc))
+            return None
         fields = {f.name for f in dataclasses.fields(Entry)}
-        optional = {"head"}  # absent from an index written by an older corral
+        optional = {f.name for f in dataclasses.fields(Entry)
+                    if f.default is not dataclasses.MISSING}  # absent from older indexes
+        entries = []
         for item in raw:
             try:
                 entry = Entry(**{k: item[k] for k in fields if k in item or k not in optional})
@@ -130,6 +159,22 @@ class Store:
                 continue
             if os.path.basename(entry.file) != entry.file or not entry.file.endswith(SUFFIX):
                 continue
+            entries.append(entry)
+        return entries, pending
+
+    def _load(self) -> None:
+        """Read the index; drop what does not check out (missing, truncated, changed), and
+        delete files the index does not name (a save whose index write never happened) and
+        temporary files no live daemon is writing (this daemon's earlier run's included)."""
+        found = self._read()
+        entries, pending = found if found is not None else ([], {})
+        for name, item in pending.items():
+            if alive(item.get("owner")):
+                self.pending[name] = item
+            else:
+                log.info("prompt_cache.partial_deleted", file=name,
+                         reason="its daemon is gone")
+        for entry in entries:
             problem = self.check(entry)
             if problem is not None:
                 self.drop(entry, problem)
@@ -140,14 +185,53 @@ class Store:
             if path.name not in self.entries:
                 log.info("prompt_cache.orphan_deleted", file=path.name)
                 path.unlink(missing_ok=True)
+        for path in self.dir.glob(f"*{TEMP_SUFFIX}"):
+            if path.name not in self.pending:
+                log.info("prompt_cache.partial_deleted", file=path.name,
+                         reason="no live daemon is writing it")
+                path.unlink(missing_ok=True)
         self._fit_budget()  # a lowered budget applies at once
         self._write()
 
     def _write(self) -> None:
         tmp = self.dir / f".{INDEX}.tmp"
         tmp.write_text(json.dumps({"version": _VERSION,
-                                   "entries": [e.as_json() for e in self.entries.values()]}))
+                                   "entries": [e.as_json() for e in self.entries.values()],
+                                   "pending": list(self.pending.values())}))
         os.replace(tmp, self.dir / INDEX)
+        st = os.stat(self.dir / INDEX)
+        self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _sync(self) -> None:
+        """Under the lock: what another daemon changed in the index since this one last read
+        or wrote it (its saves, drops and pending saves) made this store's own. Files are not
+        checked here: a restore checks its file first."""
+        try:
+            st = os.stat(self.dir / INDEX)
+        except FileNotFoundError:
+            return
+        if (st.st_ino, st.st_size, st.st_mtime_ns) == self._seen:
+            return
+        found = self._read()
+        if found is None:
+            return
+        entries, self.pending = found
+        on_disk = {e.file: e for e in entries}
+        for name, entry in list(self.entries.items()):
+            if name not in on_disk:
+                self._forget(entry)  # dropped by the other daemon (its file is gone)
+        for name, entry in on_disk.items():
+            mine = self.entries.get(name)
+            if mine is None:
+                self._remember(entry)
+                self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
+            else:
+                mine.last_used = max(mine.last_used, entry.last_used)
+
+    def refresh(self) -> None:
+        """The other daemons' changes to the index, read if there are any (a stat otherwise)."""
+        with self._lock.held():
+            self._sync()
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -165,8 +249,11 @@ class Store:
 
     def drop(self, entry: Entry, reason: str) -> None:
         """Forget a file and delete it."""
-        self._forget(entry)
-        (self.dir / entry.file).unlink(missing_ok=True)
+        with self._lock.held():
+            self._sync()
+            self._forget(entry)
+            (self.dir / entry.file).unlink(missing_ok=True)
+            self._write()
         self.counters.dropped += 1
         log.info("prompt_cache.dropped", file=entry.file, model=entry.model, reason=reason)
         if self._on_drop is not None:
@@ -175,6 +262,11 @@ class Store:
     def add(self, entry: Entry) -> None:
         """A file llama-server just wrote. Files of the same setup whose prompt is a prefix of
         this one's are superseded (this one holds all they hold); then the budget."""
+        with self._lock.held():
+            self._sync()
+            self._add(entry)
+
+    def _add(self, entry: Entry) -> None:
         for old in list(self._by_key.get(entry.key, {}).values()):
             if len(old.tokens) <= len(entry.tokens) \
                     and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
@@ -203,15 +295,64 @@ class Store:
         if not of_key:
             del self._by_key[entry.key], self._heads[entry.key]
 
-    def _fit_budget(self) -> None:
+    def _fit_budget(self, extra: int = 0) -> None:
+        """Files and saves in flight (with `extra` more bytes) within the budget: the least
+        recently used files deleted first."""
         budget = self._max_bytes()
         by_age = sorted(self.entries.values(), key=lambda e: e.last_used)
-        total = sum(e.bytes for e in by_age)
+        total = sum(e.bytes for e in by_age) + self.pending_bytes() + extra
         for entry in by_age:
             if total <= budget:
                 break
             total -= entry.bytes
             self.drop(entry, f"disk budget ({budget // (1 << 20)} MiB)")
+
+    def pending_bytes(self) -> int:
+        return sum(int(p["bytes"]) for p in self.pending.values())
+
+    def expected(self, key: str, tokens: int, per_token: float | None) -> int | None:
+        """A file's size for `tokens` tokens of this setup: from its earlier files' bytes per
+        token, else `per_token` (the model's KV per token, files.kv_per_token)."""
+        return expected_bytes(tokens, self._per_token.get(key, per_token))
+
+    # -- saves in flight -------------------------------------------------------------------------
+
+    def reserve(self, name: str, size: int | None) -> str | None:
+        """Before the child is asked to write `name` (a temporary name, TEMP_SUFFIX): None when
+        a file of `size` bytes fits (least recently used files deleted to make room, and the
+        size counted as pending until commit or release), else why not: larger than the whole
+        budget, or than half the disk's free space. An unknown size is counted as nothing
+        until the file is indexed (the budget then applies)."""
+        nbytes = size or 0
+        with self._lock.held():
+            self._sync()
+            if nbytes > self._max_bytes():
+                return f"about {nbytes / (1 << 20):.0f} MiB, over the whole budget"
+            if nbytes * 2 > shutil.disk_usage(self.dir).free:
+                return f"about {nbytes / (1 << 20):.0f} MiB, over half the free disk space"
+            self._fit_budget(extra=nbytes)
+            self.pending[name] = {"file": name, "bytes": nbytes, "owner": OWNER,
+                                  "since": time.time()}
+            self._write()
+        return None
+
+    def commit(self, name: str, entry: Entry) -> None:
+        """The child wrote `name` and `entry` describes it: renamed to entry.file and indexed
+        in one step (no other daemon ever sees a finished file the index does not name)."""
+        with self._lock.held():
+            self._sync()
+            os.replace(self.dir / name, self.dir / entry.file)
+            self.pending.pop(name, None)
+            self._add(entry)
+
+    def release(self, name: str) -> None:
+        """A save that will not be indexed (failed, cut short, its child gone): its temporary
+        file deleted and its bytes no longer counted."""
+        with self._lock.held():
+            self._sync()
+            (self.dir / name).unlink(missing_ok=True)
+            if self.pending.pop(name, None) is not None:
+                self._write()
 
     def room_for(self, key: str, tokens: int) -> str | None:
         """None when a file of `tokens` tokens may be written, else why not: larger than the
@@ -258,7 +399,9 @@ class Store:
         entry.last_used = time.time()
         self.counters.restores += 1
         self.counters.restored_tokens += tokens
-        self._write()
+        with self._lock.held():
+            self._sync()
+            self._write()
 
     def of_model(self, model: str) -> dict[str, int]:
         """One model's files and bytes (for its /admin/models entry)."""
@@ -275,7 +418,8 @@ class Store:
         return {
             "dir": str(self.dir), "files": len(self.entries),
             "bytes": sum(e.bytes for e in self.entries.values()),
-            "max_bytes": self._max_bytes(), "saves": c.saves, "saved_bytes": c.saved_bytes,
+            "max_bytes": self._max_bytes(), "pending_bytes": self.pending_bytes(),
+            "saves": c.saves, "saved_bytes": c.saved_bytes,
             "hits": c.restores, "restored_tokens": c.restored_tokens, "misses": c.misses,
             "dropped": c.dropped, "unused_restores": c.unused_restores,
             "restores_off": len(self.off), "models": models,
