@@ -34,7 +34,12 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.config.checks import missing_files
 from corral.supervisor.runtime import Runtime, build_runtime
-from corral.supervisor.statefile import default_state_dir
+from corral.supervisor.statefile import (
+    IN_MEMORY,
+    default_state_dir,
+    filesystem_of,
+    move_old_prompt_cache,
+)
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -57,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                             "-c: ./models, relative to the working directory; with -c: the "
                             "config's models_dir, which like every path in a config is "
                             "relative to the config file's folder)")
-    serve.add_argument("--state-dir", type=Path, help="where the child pid file lives")
+    serve.add_argument("--state-dir", type=Path, help="where the child pid file and the prompt "
+                       "cache live (default: $XDG_STATE_HOME/corral, ~/.local/state/corral)")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
@@ -336,13 +342,37 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("corral.admin_open", listen=listen,
                     warning="/admin (load, unload, logs) is open to anyone who can reach this "
                             "address: admin_open is true and no admin_api_keys or api_keys are set")
-    state_dir = args.state_dir or loaded.state_dir or default_state_dir()
+    state_dir = _state_dir(args, loaded)
     state_file = state_dir / f"children-{port}.json"
 
     import uvloop
 
     return uvloop.run(_run(loaded, runtime, host, port, state_file,
                            _reload_loader(args, listen), watch=not args.no_watch))
+
+
+def _state_dir(args: argparse.Namespace, loaded: LoadedConfig) -> Path:
+    """--state-dir, else the config's state_dir, else the default on disk. The default's
+    prompt cache comes from the old default (the runtime dir) if it was there; a default
+    that is in RAM after all (XDG_STATE_HOME or the home on a tmpfs) is named in a warning.
+    A state_dir the user gave is theirs, tmpfs or not."""
+    explicit: Path | None = args.state_dir or loaded.state_dir
+    if explicit is not None:
+        return explicit
+    state_dir = default_state_dir()
+    moved = move_old_prompt_cache(state_dir)
+    if moved is not None:
+        log.info("corral.prompt_cache_moved", source=str(moved),
+                 target=str(state_dir / "prompt-cache"))
+    found = filesystem_of(state_dir)
+    if found is not None and found[1] in IN_MEMORY:
+        log.warning("corral.state_dir_in_memory", dir=str(state_dir), mount=found[0],
+                    filesystem=found[1],
+                    hint="its files (the prompt cache, up to prompt_cache.max_mb unless "
+                         "prompt_cache.dir is elsewhere) take RAM the memory limits do not "
+                         "count, and are lost at reboot: give state_dir (or --state-dir) a "
+                         "folder on disk")
+    return state_dir
 
 
 def _warn_missing_files(args: argparse.Namespace, loaded: LoadedConfig) -> None:

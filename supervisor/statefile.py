@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,11 +24,65 @@ class ChildRecord:
     create_time: float  # guards against pid reuse: only this exact process is ours
 
 
+# Filesystems whose files live in RAM: a prompt cache there takes memory the memory loop does
+# not see (it then evicts idle models to relieve pressure the cache made), lost at logout.
+IN_MEMORY = frozenset({"tmpfs", "ramfs"})
+
+
 def default_state_dir() -> Path:
+    """$XDG_STATE_HOME/corral (~/.local/state/corral): on disk. Not $XDG_RUNTIME_DIR, which is
+    a tmpfs in every SSH or desktop session (the service passes --state-dir /var/lib/corral)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "corral"
+
+
+def old_default_state_dir() -> Path | None:
+    """Where corral kept its state by default before: $XDG_RUNTIME_DIR/corral."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "corral"
-    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "corral"
+    return Path(runtime) / "corral" if runtime else None
+
+
+def filesystem_of(path: Path) -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount that holds `path` (or would: its nearest
+    existing parent), from the mount table; None when it cannot tell."""
+    here = Path(os.path.realpath(path))
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    found: tuple[str, str] | None = None
+    try:
+        partitions = psutil.disk_partitions(all=True)
+    except OSError:
+        return None
+    for part in partitions:  # in mount order: a later mount over the same point wins
+        mount = Path(part.mountpoint)
+        if (mount == here or mount in here.parents) \
+                and (found is None or len(part.mountpoint) >= len(found[0])):
+            found = (part.mountpoint, part.fstype)
+    return found
+
+
+def move_old_prompt_cache(state_dir: Path) -> Path | None:
+    """The prompt cache under the old default state dir, moved under `state_dir` when that has
+    none yet (its index last: a move cut short is finished at the next start, and a file is
+    never left where nothing reads or deletes it). The dir it came from, or None."""
+    old = old_default_state_dir()
+    if old is None:
+        return None
+    source, target = old / "prompt-cache", state_dir / "prompt-cache"
+    if not (source / "index.json").is_file() or (target / "index.json").exists():
+        return None
+    try:
+        if os.path.realpath(source) == os.path.realpath(target):
+            return None
+        target.mkdir(parents=True, exist_ok=True)
+        for path in sorted(source.iterdir(), key=lambda p: p.name == "index.json"):
+            if path.is_file() and (path.suffix == ".slot" or path.name == "index.json"):
+                shutil.move(path, target / path.name)
+    except OSError as exc:
+        log.warning("statefile.prompt_cache_not_moved", source=str(source),
+                    target=str(target), error=str(exc))
+        return None
+    return source
 
 
 class ChildRegistry:
