@@ -59,9 +59,23 @@ class Entry:
     # whose head no entry of its setup has is never tokenized for a restore. None: unknown
     # (an index written before heads were kept), so any request of the setup may match.
     head: str | None = None
+    # Whose conversation it is (PromptCache.namespace: a keyed hash of the API key that sent
+    # it; "" with no keys configured, and in an index written before namespaces were kept).
+    namespace: str = ""
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def scope(self) -> str:
+        return scope(self.key, self.namespace)
+
+
+def scope(key: str, namespace: str) -> str:
+    """What the store looks files up by: the setup and whose they are. A file is only ever
+    restored, matched or superseded within its own scope; "" (no keys) keeps the setup key
+    alone, as before namespaces were kept."""
+    return f"{key}/{namespace}" if namespace else key
 
 
 def fingerprint(path: Path) -> tuple[int, str]:
@@ -267,7 +281,7 @@ class Store:
             self._add(entry)
 
     def _add(self, entry: Entry) -> None:
-        for old in list(self._by_key.get(entry.key, {}).values()):
+        for old in list(self._by_key.get(entry.scope, {}).values()):
             if len(old.tokens) <= len(entry.tokens) \
                     and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
                 self.drop(old, "superseded by a longer save of the same conversation")
@@ -280,20 +294,20 @@ class Store:
 
     def _remember(self, entry: Entry) -> None:
         self.entries[entry.file] = entry
-        self._by_key.setdefault(entry.key, {})[entry.file] = entry
-        self._heads.setdefault(entry.key, collections.Counter())[entry.head] += 1
+        self._by_key.setdefault(entry.scope, {})[entry.file] = entry
+        self._heads.setdefault(entry.scope, collections.Counter())[entry.head] += 1
 
     def _forget(self, entry: Entry) -> None:
         if self.entries.pop(entry.file, None) is None:
             return
-        of_key = self._by_key.get(entry.key, {})
+        of_key = self._by_key.get(entry.scope, {})
         of_key.pop(entry.file, None)
-        heads = self._heads[entry.key]
+        heads = self._heads[entry.scope]
         heads[entry.head] -= 1
         if heads[entry.head] <= 0:
             del heads[entry.head]
         if not of_key:
-            del self._by_key[entry.key], self._heads[entry.key]
+            del self._by_key[entry.scope], self._heads[entry.scope]
 
     def _fit_budget(self, extra: int = 0) -> None:
         """Files and saves in flight (with `extra` more bytes) within the budget: the least
@@ -368,24 +382,25 @@ class Store:
             return f"about {size / (1 << 20):.0f} MiB, over half the free disk space"
         return None
 
-    def best(self, key: str, tokens: Sequence[int], min_tokens: int) -> tuple[Entry, int] | None:
-        """The file of this setup sharing the longest prefix with `tokens` (at least
-        `min_tokens` of it), and that length."""
+    def best(self, key: str, tokens: Sequence[int], min_tokens: int,
+             namespace: str = "") -> tuple[Entry, int] | None:
+        """The file of this setup and namespace sharing the longest prefix with `tokens` (at
+        least `min_tokens` of it), and that length."""
         found: tuple[Entry, int] | None = None
-        for entry in self._by_key.get(key, {}).values():
+        for entry in self._by_key.get(scope(key, namespace), {}).values():
             shared = common_prefix(entry.tokens, tokens)
             if shared >= min_tokens and (found is None or shared > found[1]):
                 found = (entry, shared)
         return found
 
-    def has_key(self, key: str) -> bool:
-        return key in self._by_key
+    def has_key(self, key: str, namespace: str = "") -> bool:
+        return scope(key, namespace) in self._by_key
 
-    def may_match(self, key: str, head: str | None) -> bool:
-        """Whether any file of this setup could share a prefix with a request that begins
-        with `head` (restores of the setup not turned off): when not, the child is not asked
-        for the request's tokens at all."""
-        heads = self._heads.get(key)
+    def may_match(self, key: str, head: str | None, namespace: str = "") -> bool:
+        """Whether any file of this setup and namespace could share a prefix with a request
+        that begins with `head` (restores of the setup not turned off): when not, the child is
+        not asked for the request's tokens at all."""
+        heads = self._heads.get(scope(key, namespace))
         if heads is None or key in self.off:
             return False
         return head is None or head in heads or None in heads
@@ -423,7 +438,8 @@ class Store:
             "hits": c.restores, "restored_tokens": c.restored_tokens, "misses": c.misses,
             "dropped": c.dropped, "unused_restores": c.unused_restores,
             "restores_off": len(self.off), "models": models,
-            "entries": [{"file": e.file, "model": e.model, "tokens": e.n_tokens,
+            "entries": [{"file": e.file, "model": e.model, "namespace": e.namespace or None,
+                         "tokens": e.n_tokens,
                          "prompt_tokens": len(e.tokens), "bytes": e.bytes,
                          "saved_at": e.saved_at, "last_used": e.last_used}
                         for e in sorted(self.entries.values(), key=lambda e: -e.last_used)],
