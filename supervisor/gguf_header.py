@@ -11,8 +11,10 @@ path, mtime, size), so the several readers of one file at startup parse it once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["Array", "GgufHeader", "Tensor", "read_header"]
+__all__ = ["Array", "GgufHeader", "Tensor", "header_digest", "read_header"]
 
 # GGUF value types (gguf-py's GGUFValueType): struct format of each scalar.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -28,6 +30,11 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 DECODE_LIMIT = 4096  # longer arrays are skipped: only their length is kept
 _DEFAULT_ALIGNMENT = 32  # GGUF's, unless general.alignment says otherwise
+# header_digest reads at most this much: a header and tensor index are a few MB even for a
+# 256k-token vocabulary; a file claiming more is hashed up to here (its size and identity
+# are in the prompt cache's key beside the digest).
+DIGEST_LIMIT = 64 << 20
+_NOT_GGUF_DIGEST = 1 << 20  # a file that is no GGUF: its first MiB
 
 
 class Array(list[Any]):
@@ -61,6 +68,7 @@ class GgufHeader:
     version: int
     fields: dict[str, Any]  # key → scalar, str or Array
     tensors: tuple[Tensor, ...]
+    data_start: int = 0  # where the tensor data begins: the header and tensor index end there
 
     def get(self, key: str) -> Any:
         """A key's value, arrays as plain lists; None when absent."""
@@ -74,6 +82,30 @@ def read_header(path: Path) -> GgufHeader:
     resolved = Path(path).resolve()
     st = resolved.stat()
     return _read_cached(resolved, st.st_mtime_ns, st.st_size)
+
+
+def header_digest(path: Path) -> tuple[os.stat_result, str]:
+    """SHA-256 of the bytes from the file's start to its tensor data (magic, metadata
+    key/values, tensor names, shapes, types and offsets), with the stat of the very file
+    read (taken from its descriptor: a file renamed into place meanwhile is not mixed in).
+    The weights are not read: a file of the same header and other weights hashes alike.
+    Blocking: seconds on a slow disk at worst, so callers run it in a thread."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        digest = hashlib.sha256(b"gguf-header\0")
+        if st.st_size == 0:
+            return st, digest.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                end = _parse(Path(path), buf).data_start
+            except (ValueError, struct.error, KeyError, OverflowError, MemoryError):
+                end = _NOT_GGUF_DIGEST  # llama-server refuses it anyway: any stable digest
+            view = memoryview(buf)
+            try:
+                digest.update(view[:min(end, st.st_size, DIGEST_LIMIT)])
+            finally:
+                view.release()
+    return st, digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,4 +181,4 @@ def _parse(path: Path, buf: Any) -> GgufHeader:
     data_start = -(-pos // alignment) * alignment  # the tensor data follows, aligned
     tensors = tuple(Tensor(name, dims, kind, data_start + relative)
                     for name, dims, kind, relative in table)
-    return GgufHeader(path, version, fields, tensors)
+    return GgufHeader(path, version, fields, tensors, data_start)

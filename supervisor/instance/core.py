@@ -52,6 +52,9 @@ class Instance:
         self._prompt_cache = prompt_cache
         # The current child's slots as the prompt cache tracks them (None: cache off for it).
         self.prompt_slots: Slots | None = None
+        # corral's shutdown: when this child's SIGKILL must have gone out (None: no bound
+        # but save_timeout and stop_grace).
+        self._kill_by: float | None = None
         self._events = events or EventBus()
         self._keeper = keeper
         self._deployer = deployer  # for models split over RPC workers
@@ -351,11 +354,23 @@ class Instance:
         task.add_done_callback(lambda _task: callback())
         return True
 
-    async def stop(self, reason: str, drain: float = 0.0, cause: str = "other") -> None:
-        """Stop and wait until STOPPED (or until the caller is cancelled)."""
+    async def stop(self, reason: str, drain: float = 0.0, cause: str = "other",
+                   kill_by: float | None = None) -> None:
+        """Stop and wait until STOPPED (or until the caller is cancelled). `kill_by` (the
+        loop's clock; corral's shutdown budget): the saves and stop_grace are cut short so
+        that the SIGKILL goes out by then."""
+        if kill_by is not None:
+            self._kill_by = kill_by  # read by the stop task, which may be running already
         task = self.begin_stop(reason, drain, cause)
         if task is not None:
             await asyncio.shield(task)
+
+    def _grace(self) -> float:
+        """stop_grace, or what is left before `_kill_by`."""
+        if self._kill_by is None:
+            return self.spec.stop_grace
+        left = self._kill_by - asyncio.get_running_loop().time()
+        return max(0.0, min(self.spec.stop_grace, left))
 
     async def _stop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -384,11 +399,11 @@ class Instance:
                     and self._dead_pid != process.pid and self.health.failures == 0 \
                     and not (watch is not None and watch.unresponsive
                              and watch.process is process):
-                await slots.save_all()  # bounded by save_timeout; never raises
+                await slots.save_all(self._kill_by)  # bounded by save_timeout; never raises
             if slots is not None:
                 slots.close()  # no idle save of a child that goes
             if process is not None:
-                await process.stop(self.spec.stop_grace)
+                await process.stop(self._grace())
                 if process.alive():
                     self.last_error = (
                         f"{self.name} (pid {process.pid}) did not exit within "
@@ -475,10 +490,13 @@ class Instance:
         if not self.backend.spawns:
             self._connect_remote(began)
             return
+        cache = self._prompt_cache
         launch = Launch(self.name, self.started_with, self.backend, model=self.model,
                         start_timeout=self.spec.start_timeout, session=session,
                         keeper=self._keeper, deployer=self._deployer, events=self._events,
-                        attach=self._attach, on_spawn=lambda: on_spawn(self), log=self._log)
+                        attach=self._attach, on_spawn=lambda: on_spawn(self), log=self._log,
+                        identify=cache.setup if cache is not None
+                        and self.started_with.slot_save_path is not None else None)
         try:
             process = await launch.run(lambda: self.state is State.STARTING)
         except StartFailed as exc:
@@ -502,10 +520,10 @@ class Instance:
         self.backoff.reset()
         self.health = Health()
         self._dead_pid = None
-        cache, spec = self._prompt_cache, self.started_with
-        if cache is not None and spec.slot_save_path is not None:
+        spec = self.started_with
+        if cache is not None and launch.setup is not None:  # the key taken at its spawn
             self.prompt_slots = cache.slots(
-                model=self.model, instance=self.name, spec=spec, binary=process.argv[0],
+                model=self.model, instance=self.name, spec=spec, setup=launch.setup,
                 base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
                 session=session, busy=lambda: self.in_flight > 0)
         self._swap(State.STARTING, State.READY)

@@ -30,9 +30,14 @@ from corral.supervisor.process import (
     probe_health,
     probe_lists_model,
 )
+from corral.supervisor.prompt_cache.setup import Setup
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
 from corral.supervisor.rpc.workers import RpcError
+
+# Hashing a model's header and asking its binary `--version` (10 s of its own): past this,
+# the child starts without a prompt cache rather than late.
+SETUP_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,8 @@ class Launch:
                  start_timeout: float, session: aiohttp.ClientSession,
                  keeper: GroupKeeper | None, deployer: RpcDeployer | None, events: EventBus,
                  attach: Callable[[Attached], None], on_spawn: Callable[[], None],
-                 log: structlog.typing.FilteringBoundLogger):
+                 log: structlog.typing.FilteringBoundLogger,
+                 identify: Callable[[ModelSpec, str], Awaitable[Setup]] | None = None):
         self._name = name
         self.spec = spec  # the spec it starts with (KV choice, placement and all)
         self._backend = backend
@@ -66,6 +72,10 @@ class Launch:
         self._log = log
         self.process: ChildProcess | None = None
         self.port: int | None = None
+        # The prompt cache's setup key (spec, binary → Setup), taken before the process
+        # starts: the files it maps as they are then, not after a replacement mid-start.
+        self._identify = identify
+        self.setup: Setup | None = None
 
     async def run(self, starting: Callable[[], bool]) -> ChildProcess:
         """The healthy child. StartFailed (its child stopped first) for any failure: a model
@@ -125,6 +135,7 @@ class Launch:
             # In a thread: a backend may ask its binary (llama-server's --help says which
             # draft flags it speaks), and a slow binary must not stall the daemon.
             argv = await asyncio.to_thread(self._backend.argv, self.spec, port)
+            self.setup = await self._setup(argv[0])
         except BaseException as exc:  # cancelled while the thread ran, too: workers go
             if deployment is not None:
                 await asyncio.shield(deployment.release())
@@ -186,6 +197,18 @@ class Launch:
             raise StartFailed(f"{self._name}: start aborted: {type(exc).__name__}: "
                               f"{exc}") from exc
         return process
+
+    async def _setup(self, binary: str) -> Setup | None:
+        """The child's prompt-cache setup, None (the child saves and restores nothing) when
+        it cannot be known: a file or binary that cannot be read fails the start itself."""
+        if self._identify is None:
+            return None
+        try:
+            async with asyncio.timeout(SETUP_TIMEOUT):
+                return await self._identify(self.spec, binary)
+        except Exception as exc:  # OSError, TimeoutError, a binary's odd --version
+            self._log.warning("prompt_cache.setup_unknown", error=f"{type(exc).__name__}: {exc}")
+            return None
 
     async def _deploy(self, port: int) -> Deployment:
         """Start the model's RPC workers and plan its split; the head's argv takes both.

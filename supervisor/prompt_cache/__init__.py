@@ -4,8 +4,9 @@ request continues one of those conversations, so the next turn after a swap, an 
 or a corral restart does not prefill the whole conversation again.
 
 `PromptCache` (one per daemon) holds the store (store.py) and what makes a KV cache
-compatible (`cache_key`); each running child gets a `Slots` (slots.py), which pins requests to
-slots (choice.py) and restores them, and a `Saver` (saver.py), which saves them."""
+compatible (`setup`, taken at each child's spawn: setup.py); each running child gets a
+`Slots` (slots.py), which pins requests to slots (choice.py) and restores them, and a `Saver`
+(saver.py), which saves them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import structlog
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.events import EventBus
+from corral.supervisor.prompt_cache.namespace import Namespaces
+from corral.supervisor.prompt_cache.setup import Setup, file_id, identity
 from corral.supervisor.prompt_cache.store import Entry, Store
 
 if TYPE_CHECKING:
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 
     from corral.supervisor.prompt_cache.slots import Slots
 
-__all__ = ["PromptCache", "Store"]
+__all__ = ["PromptCache", "Setup", "Store"]
 
 log = structlog.get_logger("corral.prompt_cache")
 
@@ -41,6 +44,7 @@ class PromptCache:
         self.events = events
         self.store = Store(folder, lambda: int(self.settings().max_mb * (1 << 20)),
                            self._dropped)
+        self.namespaces = Namespaces(folder)  # whose each save is (namespace.py)
         self._builds: dict[tuple[str, int, int], str] = {}
 
     def _dropped(self, entry: Entry, reason: str) -> None:
@@ -69,28 +73,33 @@ class PromptCache:
             self._builds[known] = f"{version}|{binary}|{st.st_size}|{st.st_mtime_ns}"
         return self._builds[known]
 
-    async def cache_key(self, spec: ModelSpec, binary: str) -> str:
-        """What a saved KV cache is only valid for: the model file (path, size, mtime), the
-        context per slot, the cache types, the user's extra flags (flash attention, rope, ...
-        change the layout) and the llama-server build. Any difference: never restored."""
-        files = []
-        for path in (spec.model_path, spec.mmproj):
-            if path is not None:
-                st = os.stat(path)
-                files.append((str(path), st.st_size, st.st_mtime_ns))
-        parts = {"files": files, "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
+    async def setup(self, spec: ModelSpec, binary: str) -> Setup:
+        """What a saved KV cache is only valid for, taken at the child's spawn (setup.py):
+        each file it maps (model, mmproj: path, device, inode, size, mtime and a hash of the
+        GGUF header and tensor index), the context per slot, the cache types, the user's
+        extra flags (flash attention, rope, ... change the layout), the RPC workers and the
+        llama-server build. Any difference: never restored. Raises OSError."""
+        files = tuple([await file_id(path) for path in (spec.model_path, spec.mmproj)
+                       if path is not None])
+        parts = {"files": [identity(f) for f in files],
+                 "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
                  "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
                  "args": list(spec.args), "rpc": list(spec.rpc_servers),
                  "build": await self.build(binary)}
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+        key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+        return Setup(key, files)
 
-    def slots(self, *, model: str, instance: str, spec: ModelSpec, binary: str, base_url: str,
-              headers: dict[str, str], session: aiohttp.ClientSession,
+    async def cache_key(self, spec: ModelSpec, binary: str) -> str:
+        return (await self.setup(spec, binary)).key
+
+    def slots(self, *, model: str, instance: str, spec: ModelSpec, setup: Setup,
+              base_url: str, headers: dict[str, str], session: aiohttp.ClientSession,
               busy: Callable[[], bool] = lambda: False) -> Slots:
-        """`busy`: whether the child has a request in flight (no idle save then)."""
+        """`setup`: the child's, from its spawn (`setup()`); `busy`: whether the child has a
+        request in flight (no idle save then)."""
         from corral.supervisor.prompt_cache.slots import Slots
 
-        return Slots(self, model=model, instance=instance, spec=spec, binary=binary,
+        return Slots(self, model=model, instance=instance, spec=spec, setup=setup,
                      base_url=base_url, headers=headers, session=session, busy=busy)
 
     def status(self) -> dict[str, object]:

@@ -27,6 +27,7 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record, conversation
 from corral.supervisor.prompt_cache.saver import Saver
+from corral.supervisor.prompt_cache.setup import Setup
 from corral.supervisor.prompt_cache.store import Entry
 
 if TYPE_CHECKING:
@@ -46,15 +47,16 @@ REUSED_SHARE = 0.5
 
 class Slots:
     def __init__(self, cache: PromptCache, *, model: str, instance: str, spec: ModelSpec,
-                 binary: str, base_url: str, headers: dict[str, str],
+                 setup: Setup, base_url: str, headers: dict[str, str],
                  session: aiohttp.ClientSession, busy: Callable[[], bool] = lambda: False):
         self._cache = cache
-        self.model, self.instance, self.spec, self.binary = model, instance, spec, binary
+        self.model, self.instance, self.spec = model, instance, spec
+        self.setup = setup  # taken at the child's spawn: its saves are under it for life
+        self._stale = False  # a file of its setup was replaced under it: no more restores
         self._base, self._headers, self._session = base_url, headers, session
         self._choice = Choice(spec.parallel)
         self.records = self._choice.records  # each slot's last request (None: empty)
         self._leased: dict[int, Lease] = {}
-        self._key: str | None = None
         self._log = log.bind(model=model, instance=instance)
         self.saver = Saver(self, cache, busy, self._log)
 
@@ -66,9 +68,23 @@ class Slots:
         return slot in self._leased
 
     async def key(self) -> str:
-        if self._key is None:
-            self._key = await self._cache.cache_key(self.spec, self.binary)
-        return self._key
+        return self.setup.key
+
+    def replaced(self) -> bool:
+        """Whether a file the child maps was replaced since its spawn (one stat a file): its
+        KV then no longer matches what the path holds, so it restores nothing more. Said
+        once, in the log and as an event."""
+        if self._stale:
+            return True
+        changed = self.setup.replaced()
+        if changed is None:
+            return False
+        self._stale = True
+        self._log.warning("prompt_cache.model_replaced", file=changed.path,
+                          restores_off=True)
+        self._cache.events.publish("prompt_cache_model_replaced", model=self.model,
+                                   instance=self.instance, file=changed.path)
+        return True
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -143,9 +159,10 @@ class Slots:
         """The child is going (or gone): no idle save begins any more."""
         self.saver.close()
 
-    async def save_all(self) -> None:
-        """At a stop, before the child goes (Saver.at_stop): never raises."""
-        await self.saver.at_stop()
+    async def save_all(self, until: float | None = None) -> None:
+        """At a stop, before the child goes (Saver.at_stop), by `until` when given: never
+        raises."""
+        await self.saver.at_stop(until)
 
     # -- the child's words -----------------------------------------------------------------------
 
@@ -192,7 +209,7 @@ class Slots:
         try:
             async with asyncio.timeout(settings.restore_timeout):
                 key = await self.key()
-                if not store.has_key(key) or key in store.off:
+                if not store.has_key(key) or key in store.off or self.replaced():
                     return
                 if record.body.get("cache_prompt") is False:
                     return  # the child is asked not to reuse its cache: nothing to restore
