@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from corral.supervisor.backends.binaries import INSTALL_HINT, find_executable
 from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.memory import cache_ram
 from corral.supervisor.memory.estimate import Estimate, estimate, model_facts
 
 __all__ = ["INSTALL_HINT", "LlamaServer", "find_executable"]
@@ -52,6 +53,10 @@ class LlamaServer:
             argv += ["--mmproj", str(spec.mmproj)]
         if spec.embeddings:
             argv += ["--embeddings"]
+        if cache_ram.own_mib(spec.args, spec.env) is None:
+            # Never the binary's default (8192 MiB, grown unseen): the value placement counted.
+            # Still auto here is a start no tracker resolved: off rather than uncounted.
+            argv += ["--cache-ram", str(spec.cache_ram_mb or 0)]
         if spec.slot_save_path is not None:  # the prompt cache: /slots save and restore
             argv += ["--slot-save-path", str(spec.slot_save_path)]
         if spec.rpc_servers:  # deployed over RPC workers: layers per worker, in their order
@@ -82,18 +87,32 @@ class LlamaServer:
 
     def estimate(self, spec: ModelSpec, kv: tuple[str | None, str | None],
                  gpus: Sequence[str]) -> Estimate:
+        """What the child takes per device, its RAM prompt cache at its limit included (the
+        user's own --cache-ram, else the spec's; still auto: not counted, the tracker
+        resolves auto before it asks)."""
         facts = model_facts(spec.model_path)
         if spec.rpc_workers:
             # The layers and their KV live on the RPC workers (the split planner checks they
             # fit there); the head keeps its compute buffers and itself on this machine.
             whole = estimate(facts, ctx=spec.ctx, parallel=spec.parallel, n_gpu_layers=0,
                              cache_type_k=kv[0], cache_type_v=kv[1], gpus=())
-            return dataclasses.replace(whole, devices={"cpu": whole.compute + whole.overhead},
+            # The head copies its slots' states (fetched from the workers) into its own RAM.
+            head = dataclasses.replace(whole, devices={"cpu": whole.compute + whole.overhead},
                                        weights=0, kv=0)
-        return estimate(facts, ctx=spec.ctx, parallel=spec.parallel,
-                        n_gpu_layers=spec.n_gpu_layers, cache_type_k=kv[0],
-                        cache_type_v=kv[1], gpus=gpus,
-                        split=spec.gpu_split if len(spec.gpu_split) == len(gpus) else ())
+            return head.with_cache_ram(self._cache_ram_bytes(spec, whole.kv))
+        found = estimate(facts, ctx=spec.ctx, parallel=spec.parallel,
+                         n_gpu_layers=spec.n_gpu_layers, cache_type_k=kv[0],
+                         cache_type_v=kv[1], gpus=gpus,
+                         split=spec.gpu_split if len(spec.gpu_split) == len(gpus) else ())
+        # Wherever the KV lives, a cached state is a copy in host memory.
+        return found.with_cache_ram(self._cache_ram_bytes(spec, found.kv))
+
+    @staticmethod
+    def _cache_ram_bytes(spec: ModelSpec, kv_bytes: int) -> int:
+        mib = cache_ram.own_mib(spec.args, spec.env)
+        if mib is None:
+            mib = spec.cache_ram_mb or 0
+        return cache_ram.counted_bytes(mib, kv_bytes)
 
     def usable_kv_steps(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
         """A quantized type stores blocks of 32 values, and llama.cpp refuses it when the

@@ -85,6 +85,16 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     # cores among the models that may be loaded at once unless told otherwise.
     auto_threads = d.threads or max(1, (os.cpu_count() or 1) // config.policy.max_loaded)
 
+    # llama-server's RAM prompt cache is searched by prompt for every caller of a child: with
+    # several user keys it would hand one key's cached prefix to another, so auto means off.
+    shared_keys = len(config.api_keys) > 1
+
+    def cache_ram(m: ModelConfig) -> int | None:
+        value = _inherit(m.cache_ram_mb, d.cache_ram_mb)
+        if isinstance(value, str):  # "auto"
+            return 0 if shared_keys else None
+        return value
+
     def build(name: str, m: ModelConfig) -> ModelSpec:
         replicas = m.replicas if isinstance(m.replicas, ReplicasConfig) else \
             ReplicasConfig(min=m.replicas, max=m.replicas)
@@ -143,6 +153,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
             loading_progress=_inherit(m.loading_progress, d.loading_progress),
             prompt_cache=config.prompt_cache.enabled and m.backend == "llama-server"
             and _inherit(m.prompt_cache, d.prompt_cache),
+            cache_ram_mb=cache_ram(m),
             capabilities=tuple(m.capabilities) if m.capabilities is not None else
             _capabilities(m),
             paths=tuple(m.paths),

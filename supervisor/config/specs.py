@@ -60,6 +60,9 @@ class ModelSpec:
     prompt_cache: bool = False  # llama-server: slots saved at a stop, restored on demand
     # Where llama-server saves and restores slots (--slot-save-path); set at a start.
     slot_save_path: Path | None = None
+    # llama-server's prompt cache in RAM (--cache-ram, MiB; -1: no limit, 0: off). None:
+    # auto, a share of the RAM budget the memory tracker sets at a start (cache_ram.py).
+    cache_ram_mb: int | None = None
     capabilities: tuple[str, ...] = ("chat", "completion")
     paths: tuple[str, ...] = ()  # POST /v1 paths it serves beyond its backend's
     request: RequestFilters | None = None  # applied by the proxy to every request's body

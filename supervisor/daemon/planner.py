@@ -204,8 +204,10 @@ class Planner:
 
     def tune(self, spec: ModelSpec) -> ModelSpec:
         """The backend's last word on a start's settings, from what it needs per device
-        (a vLLM child's share of the GPU)."""
+        (a vLLM child's share of the GPU). An auto `cache_ram_mb` becomes the number
+        placement counted, for the argv."""
         try:
+            spec = self._memory.with_cache_ram(spec, (spec.cache_type_k, spec.cache_type_v))
             need = self._memory.need(spec, (spec.cache_type_k, spec.cache_type_v))
             return BACKENDS[spec.backend].tune(spec, need, self._memory.gpu_totals())
         except Exception:  # odd figures are no reason to refuse a start: as configured

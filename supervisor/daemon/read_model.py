@@ -15,6 +15,7 @@ from corral.supervisor.instance import LOADED_STATES, Instance, State
 from corral.supervisor.instance.view import describe as describe_instance
 from corral.supervisor.instance.view import rpc_state
 from corral.supervisor.inventory import cached_facts, read_facts
+from corral.supervisor.memory import cache_ram
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.memory.gguf_info import describe_gguf
 from corral.supervisor.memory.tracker import MemoryTracker, mib_map
@@ -52,7 +53,19 @@ class ReadModel:
         # tracker's, which the instance does not know.
         return {**describe_instance(inst, now), **model.describe(),
                 "memory_mib": mib_map(self._planner.footprint(inst)),
-                **_settings(inst)}
+                **self._estimate(inst), **_settings(inst)}
+
+    def _estimate(self, inst: Instance) -> dict[str, Any]:
+        """The running child's estimate per device and by part (`cache_ram`: llama-server's
+        RAM prompt cache at its limit), and that limit in MiB; None while none runs."""
+        running = inst.state in LOADED_STATES
+        described = self._memory.describe(inst) if running else {}
+        spec = inst.started_with if running else inst.spec
+        own = cache_ram.own_mib(spec.args, spec.env) if spec.backend == "llama-server" \
+            else None
+        return {"estimate_mib": described.get("estimate_mib"),
+                "estimate_breakdown_mib": described.get("estimate_breakdown_mib"),
+                "cache_ram_mb": own if own is not None else spec.cache_ram_mb}
 
     def child_logs(self, key: str, lines: int) -> dict[str, Any]:
         """The last `lines` lines a model's child (or one replica's, "<model>#<n>") wrote."""

@@ -10,8 +10,10 @@ Three sources:
   llama-server prints its buffer sizes only at `-lv 4` (or LLAMA_ARG_LOG_VERBOSITY=4) and up;
   at the default verbosity 3 the lines are not there.
 
-Not covered: the prompt cache in RAM (llama-server's `--cache-ram`, default 8192 MiB, grows
-with use; pass `--cache-ram 0` where RAM is tight), recurrent state (Mamba/RWKV layers),
+llama-server's prompt cache in RAM (`--cache-ram`) is the `cache_ram` term, on "cpu": its
+limit, which corral always sets (memory/cache_ram.py), since it fills only with use.
+
+Not covered: recurrent state (Mamba/RWKV layers),
 DeepSeek's MLA cache (overestimated: counted as full K/V heads), CPU_REPACK copies of
 Q4_0/IQ4_NL weights on CPUs that repack them.
 """
@@ -19,6 +21,7 @@ Q4_0/IQ4_NL weights on CPUs that repack them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import re
@@ -353,10 +356,18 @@ class Estimate:
     compute: int
     overhead: int
     source: str  # "gguf" or "llama-fit-params"
+    # llama-server's prompt cache in RAM at its limit (in devices["cpu"] too): it grows with
+    # use, so a fresh child's measure leaves it out and the estimate must not.
+    cache_ram: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.overhead
+        return self.weights + self.kv + self.compute + self.overhead + self.cache_ram
+
+    def with_cache_ram(self, nbytes: int) -> Estimate:
+        """This estimate with a RAM prompt cache of `nbytes` (replacing any counted before)."""
+        cpu = self.devices.get("cpu", 0) - self.cache_ram + nbytes
+        return dataclasses.replace(self, devices={**self.devices, "cpu": cpu}, cache_ram=nbytes)
 
 
 @dataclass

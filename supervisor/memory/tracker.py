@@ -9,6 +9,7 @@ estimate until measured)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,7 @@ import structlog
 from corral.supervisor.backends import backend_for
 from corral.supervisor.config.schema.memory import MemoryConfig
 from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.memory import cache_ram
 from corral.supervisor.memory.devices import Device, GpuReader, RamReader
 from corral.supervisor.memory.estimate import Estimate
 from corral.supervisor.memory.llama_reports import parse_load_log
@@ -83,7 +85,7 @@ def start_key(spec: ModelSpec, kv: KvTypes, gpus: tuple[str, ...]) -> tuple[Any,
     return (str(spec.model_path), version, spec.backend, spec.binary, spec.ctx, spec.parallel,
             spec.n_gpu_layers, kv[0] or "f16", kv[1] or "f16", gpus, spec.gpu_split,
             spec.args, str(spec.mmproj), env, spec.model_id, spec.command,
-            spec.tensor_parallel_size, spec.pipeline_parallel_size)
+            spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.cache_ram_mb)
 
 
 class MemoryTracker:
@@ -202,9 +204,32 @@ class MemoryTracker:
             return {}
         return {n: d.total for n, d in self.sample.devices.items() if d.kind == "gpu"}
 
+    def ram_budget(self) -> int:
+        """What corral's children may take of RAM in all: the machine's RAM less the
+        reserve, capped by budget_mb (not less what others use now: a child's settings must
+        not move with the machine's load)."""
+        total = self.sample.devices["cpu"].total if self.sample and "cpu" in \
+            self.sample.devices else self.ram.device().total
+        room = max(0, total - int(self.config.reserve_mb * MIB))
+        return min(room, int(self.config.budget_mb * MIB)) if self.config.budget_mb else room
+
+    def with_cache_ram(self, spec: ModelSpec, kv: KvTypes) -> ModelSpec:
+        """`spec` with its auto `cache_ram_mb` made a number: a share of the RAM budget,
+        0 where RAM is tight for this model (memory/cache_ram.py). As it is otherwise."""
+        if spec.backend != "llama-server" or spec.cache_ram_mb is not None \
+                or cache_ram.own_mib(spec.args, spec.env) is not None:
+            return spec
+        bare = dataclasses.replace(spec, cache_ram_mb=0)
+        found = self.estimate_for(bare, kv)
+        if found is None:  # nothing known of the model: its cache stays off, as counted
+            return bare
+        return dataclasses.replace(spec, cache_ram_mb=cache_ram.auto_mib(
+            self.ram_budget(), found.devices.get("cpu", 0), found.kv))
+
     def estimate_for(self, spec: ModelSpec, kv: KvTypes) -> Estimate | None:
         """The backend's estimate from the model's files for these settings (None: they
         cannot be read; logged once)."""
+        spec = self.with_cache_ram(spec, kv)
         gpus = self.gpus_of(spec)
         key = start_key(spec, kv, gpus)
         if key not in self._estimates:
@@ -250,6 +275,7 @@ class MemoryTracker:
     def need(self, spec: ModelSpec, kv: KvTypes) -> Footprint:
         """What a start with these settings takes: what the same settings took before, else
         the estimate. Empty when neither is known (it is then not counted)."""
+        spec = self.with_cache_ram(spec, kv)
         learned = self._learned.get(start_key(spec, kv, self.gpus_of(spec)))
         if learned is not None:
             return learned
@@ -343,7 +369,10 @@ class MemoryTracker:
         est = record.estimate
         measured = record.peak if record.pid is not None and record.pid == child.pid else {}
         # Compared on the devices measured (a GPU without per-process figures is not).
+        # Less the RAM prompt cache: counted at its limit, it fills only with use.
         est_on = sum(est.devices.get(d, 0) for d in measured) if est else 0
+        if est and "cpu" in measured:
+            est_on -= est.cache_ram
         measured_total = sum(measured.values())
         error = (round(100.0 * (est_on - measured_total) / measured_total, 1)
                  if est_on and measured_total else None)
@@ -352,7 +381,7 @@ class MemoryTracker:
             "estimate_source": est.source if est else None,
             "estimate_breakdown_mib": {k: round(v / MIB, 1) for k, v in (
                 ("weights", est.weights), ("kv", est.kv), ("compute", est.compute),
-                ("overhead", est.overhead))} if est else None,
+                ("overhead", est.overhead), ("cache_ram", est.cache_ram))} if est else None,
             "measured_mib": mib_map(measured) if measured else None,
             "error_pct": error,
             "llama_log_mib": {d: {k: round(v / MIB, 2) for k, v in parts.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from corral.supervisor.config.schema.base import STRICT
-from corral.supervisor.config.schema.memory import KvCacheConfig
+from corral.supervisor.config.schema.memory import CacheRamMb, KvCacheConfig
 from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.request import RequestFilters
 
@@ -51,3 +51,8 @@ class Defaults(BaseModel):
     prompt_cache: bool = Field(
         True, description="llama-server children: save slots at a stop and restore them "
         "(prompt_cache: section); false opts out")
+    cache_ram_mb: CacheRamMb = Field(
+        "auto", description="llama-server's own prompt cache in RAM (--cache-ram, MiB; 0: "
+        "off, -1: no limit), counted in each child's RAM estimate. auto: 1/16 of the RAM "
+        "budget, at most 2048; 0 where the model's own RAM estimate plus that passes half the "
+        "budget, or with more than one of api_keys (the cache is shared by every caller)")

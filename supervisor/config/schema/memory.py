@@ -3,14 +3,17 @@ checks within each."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from corral.supervisor.config.schema.base import STRICT
 from corral.supervisor.config.secrets import SecretOptions
 
-__all__ = ["KvCacheConfig", "MemoryConfig", "ladder_step"]
+__all__ = ["CacheRamMb", "KvCacheConfig", "MemoryConfig", "ladder_step"]
+
+# llama-server's --cache-ram in MiB (-1: no limit, 0: off), or "auto" (memory/cache_ram.py).
+CacheRamMb = Annotated[int, Field(ge=-1)] | Literal["auto"]
 
 
 class MemoryConfig(BaseModel):

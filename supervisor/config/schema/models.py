@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
 from corral.supervisor.config.schema.base import STRICT
-from corral.supervisor.config.schema.memory import KvCacheConfig
+from corral.supervisor.config.schema.memory import CacheRamMb, KvCacheConfig
 from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.request import RequestFilters
 from corral.supervisor.config.schema.rpc import RpcConfig
@@ -95,6 +95,9 @@ class ModelConfig(BaseModel):
     loading_progress: bool | None = None
     prompt_cache: bool | None = Field(
         None, description="false: this model's slots are never saved or restored")
+    cache_ram_mb: CacheRamMb | None = Field(
+        None, description="llama-server's prompt cache in RAM (--cache-ram, MiB; 0: off, -1: "
+        "no limit; auto: a share of the RAM budget); default: defaults.cache_ram_mb")
     capabilities: list[Capability] | None = Field(
         None, description="what it answers: chat, completion, embeddings, rerank, vision "
         "(default: from the model's settings: embeddings: true → embeddings (+ rerank with "
