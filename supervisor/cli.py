@@ -33,6 +33,7 @@ from corral.supervisor.config import (
     split_listen,
 )
 from corral.supervisor.config.checks import missing_files
+from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
 from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import (
     IN_MEMORY,
@@ -143,6 +144,8 @@ def _check(paths: list[Path], files: bool = True) -> int:
                 print(f"error: {issue}", file=sys.stderr)
             continue
         assert loaded is not None
+        for warning in cache_ram_warnings(loaded):  # no error: placement counts the caches
+            print(f"warning: {warning}", file=sys.stderr)
         print(f"{path}: ok ({len(loaded.models)} models)")
     return 1 if failed else 0
 

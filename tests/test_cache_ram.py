@@ -13,6 +13,8 @@ counts it as RAM.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import pytest
 import yaml
 
 from corral.supervisor.backends.llama_server import LlamaServer
+from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
 from corral.supervisor.config.load import parse_config
 from corral.supervisor.config.schema import MemoryConfig
 from corral.supervisor.config.specs import ModelSpec
@@ -135,6 +138,29 @@ def test_the_tracker_resolves_auto_from_its_budget(tiny_models: dict[str, Path])
     assert tight.need(spec, kv)["cpu"] == bare.devices["cpu"]
     # A value of the config's or the user's own is left as it is.
     assert roomy.with_cache_ram(dataclasses.replace(spec, cache_ram_mb=9), kv).cache_ram_mb == 9
+
+
+def test_check_warns_when_the_caches_loaded_together_pass_the_budget(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = tiny_models["tiny-a"]
+    text = (f"memory: {{budget_mb: 3000}}\npolicy: {{max_loaded: 2}}\nmodels:\n"
+            f"  a: {{model: {path}, cache_ram_mb: 2048}}\n"
+            f"  b:\n    model: {path}\n    args: [--cache-ram, '1500']\n"
+            f"  c: {{model: {path}, cache_ram_mb: 1000}}\n  d: {{model: {path}}}\n")
+    (warning,) = cache_ram_warnings(parse_config(text))
+    assert warning.key == "models.a.cache_ram_mb" and warning.line == 4
+    assert "2 models that may be loaded together add up to 3548 MiB (a 2048, b 1500)" \
+        in warning.message
+    # Within the budget (max_loaded 1), or auto: no warning.
+    assert cache_ram_warnings(parse_config(text.replace("max_loaded: 2", "max_loaded: 1"))) == []
+    assert cache_ram_warnings(parse_config(model_yaml(path, top="memory: {budget_mb: 100}\n"))) \
+        == []
+    config = tmp_path / "corral.yaml"
+    config.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {config}:4: models.a.cache_ram_mb: the RAM prompt caches" in done.stderr
 
 
 # -- real children -----------------------------------------------------------------------------

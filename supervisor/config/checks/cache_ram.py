@@ -1,0 +1,51 @@
+"""`corral check`'s warning about llama-server's RAM prompt caches: the limits the config sets
+(`cache_ram_mb`, or a model's own `--cache-ram` in args) of the models that may be loaded
+together add up to more than the RAM budget. A warning, not an error: each cache fills only
+with use, and placement counts it (it evicts, or refuses with a 503), but such a config
+starts fewer models at once than its `max_loaded` says."""
+
+from __future__ import annotations
+
+import psutil
+
+from corral.supervisor.config.issues import ConfigIssue
+from corral.supervisor.config.loaded import LoadedConfig
+from corral.supervisor.memory import cache_ram
+
+__all__ = ["cache_ram_warnings"]
+
+MIB = 1024 * 1024
+
+
+def cache_ram_warnings(loaded: LoadedConfig) -> list[ConfigIssue]:
+    """The warning, at the biggest cache's key, or none. Auto caches are left out: each is
+    at most 1/16 of the budget. The budget is `memory.budget_mb`, else this machine's RAM
+    less `memory.reserve_mb` (the message says which)."""
+    config = loaded.config
+    sizes: dict[str, int] = {}
+    for name, spec in loaded.models.items():
+        if spec.backend != "llama-server":
+            continue
+        mib = cache_ram.own_mib(spec.args, spec.env)
+        mib = spec.cache_ram_mb if mib is None else mib
+        if mib is not None and mib > 0:  # -1 (no limit) is sized by the child's KV: unknown here
+            sizes[name] = mib
+    together = sorted(sizes, key=lambda n: -sizes[n])[:config.policy.max_loaded]
+    total = sum(sizes[n] for n in together)
+    memory = config.memory
+    if memory.budget_mb is not None:
+        budget, what = memory.budget_mb, "memory.budget_mb"
+    else:
+        budget = psutil.virtual_memory().total / MIB - memory.reserve_mb
+        what = "this machine's RAM less memory.reserve_mb"
+    if not together or total <= budget:
+        return []
+    biggest = together[0]
+    own = cache_ram.own_mib(loaded.models[biggest].args, loaded.models[biggest].env) is not None
+    key = ("models", biggest, "args") if own else ("models", biggest, "cache_ram_mb")
+    listed = ", ".join(f"{n} {sizes[n]}" for n in together)
+    return [loaded.issue(key, (
+        f"the RAM prompt caches (--cache-ram) of the {len(together)} models that may be "
+        f"loaded together add up to {total} MiB ({listed}), more than the RAM budget "
+        f"({budget:.0f} MiB: {what}); placement counts them, so fewer models load at once "
+        f"(a smaller cache_ram_mb, or auto, keeps them under it)"))]
