@@ -85,6 +85,9 @@ def test_config_values_defaults_and_two_user_keys(tiny_models: dict[str, Path]) 
     for bad in ("-2", "lots"):
         with pytest.raises(Exception, match="cache_ram_mb"):
             spec_of(model_yaml(path, f"    cache_ram_mb: {bad}\n"))
+    with pytest.raises(Exception, match="cache_ram_mb is a llama-server setting"):
+        parse_config("models:\n  v: {backend: vllm, model: Qwen/Qwen2.5-0.5B-Instruct, "
+                     "cache_ram_mb: 100}\n")
 
 
 def test_argv_always_sets_cache_ram_unless_the_user_does(tiny_models: dict[str, Path]) -> None:

@@ -32,6 +32,7 @@ _LLAMA_ONLY = {
     "cache_type_v": "vLLM models use `kv_cache_dtype`",
     "mmproj": "vLLM reads a multimodal checkpoint's projector from its folder",
     "embeddings": "pass vLLM's own pooling flags in `args`",
+    "cache_ram_mb": "vLLM's prefix cache lives in its own KV blocks",
 }
 # The keys of command and remote models, and what the native backends have instead.
 _FOREIGN_ONLY = {
