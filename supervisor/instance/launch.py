@@ -30,7 +30,7 @@ from corral.supervisor.process import (
     probe_health,
     probe_lists_model,
 )
-from corral.supervisor.prompt_cache.setup import Setup
+from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.reaper import GroupKeeper
 from corral.supervisor.rpc.deploy import Deployment, ProcessSet, RpcDeployer
 from corral.supervisor.rpc.workers import RpcError

@@ -4,7 +4,7 @@ request continues one of those conversations, so the next turn after a swap, an 
 or a corral restart does not prefill the whole conversation again.
 
 `PromptCache` (one per daemon) holds the store (store.py) and what makes a KV cache
-compatible (`setup`, taken at each child's spawn: setup.py); each running child gets a
+compatible (`setup`, taken at each child's spawn: identity.py); each running child gets a
 `Slots` (slots.py), which pins requests to slots (choice.py) and restores them, and a `Saver`
 (saver.py), which saves them."""
 
@@ -23,8 +23,8 @@ import structlog
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.events import EventBus
+from corral.supervisor.prompt_cache.identity import Setup, file_id, key_parts
 from corral.supervisor.prompt_cache.namespace import Namespaces
-from corral.supervisor.prompt_cache.setup import Setup, file_id, identity
 from corral.supervisor.prompt_cache.store import Entry, Store
 
 if TYPE_CHECKING:
@@ -74,14 +74,14 @@ class PromptCache:
         return self._builds[known]
 
     async def setup(self, spec: ModelSpec, binary: str) -> Setup:
-        """What a saved KV cache is only valid for, taken at the child's spawn (setup.py):
+        """What a saved KV cache is only valid for, taken at the child's spawn (identity.py):
         each file it maps (model, mmproj: path, device, inode, size, mtime and a hash of the
         GGUF header and tensor index), the context per slot, the cache types, the user's
         extra flags (flash attention, rope, ... change the layout), the RPC workers and the
         llama-server build. Any difference: never restored. Raises OSError."""
         files = tuple([await file_id(path) for path in (spec.model_path, spec.mmproj)
                        if path is not None])
-        parts = {"files": [identity(f) for f in files],
+        parts = {"files": [key_parts(f) for f in files],
                  "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
                  "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
                  "args": list(spec.args), "rpc": list(spec.rpc_servers),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from corral.supervisor.gguf_header import header_digest
 
-__all__ = ["FileId", "Setup", "file_id", "identity"]
+__all__ = ["FileId", "Setup", "file_id", "key_parts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,6 @@ async def file_id(path: Path) -> FileId:
     return FileId(str(path), *_version(st), digest)
 
 
-def identity(f: FileId) -> list[object]:
+def key_parts(f: FileId) -> list[object]:
     """The parts of the key a file brings."""
     return [f.path, f.dev, f.ino, f.size, f.mtime_ns, f.digest]

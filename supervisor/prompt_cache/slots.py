@@ -26,8 +26,8 @@ import structlog
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record, conversation
+from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.saver import Saver
-from corral.supervisor.prompt_cache.setup import Setup
 from corral.supervisor.prompt_cache.store import Entry
 
 if TYPE_CHECKING:

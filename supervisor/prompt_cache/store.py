@@ -439,7 +439,7 @@ class Store:
             "dropped": c.dropped, "unused_restores": c.unused_restores,
             "restores_off": len(self.off), "models": models,
             "entries": [{"file": e.file, "model": e.model, "namespace": e.namespace or None,
-                         "tokens": e.n_tokens,
+                         "setup": e.key, "tokens": e.n_tokens,
                          "prompt_tokens": len(e.tokens), "bytes": e.bytes,
                          "saved_at": e.saved_at, "last_used": e.last_used}
                         for e in sorted(self.entries.values(), key=lambda e: -e.last_used)],
