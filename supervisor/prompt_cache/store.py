@@ -344,6 +344,11 @@ class Store:
                 return f"about {nbytes / (1 << 20):.0f} MiB, over the whole budget"
             if nbytes * 2 > shutil.disk_usage(self.dir).free:
                 return f"about {nbytes / (1 << 20):.0f} MiB, over half the free disk space"
+            in_flight = self.pending_bytes()
+            if in_flight + nbytes > self._max_bytes():
+                # Deleting every file would not make room: saves in flight hold the rest.
+                return (f"about {nbytes / (1 << 20):.0f} MiB, and saves in flight take "
+                        f"{in_flight / (1 << 20):.0f} MiB of the budget")
             self._fit_budget(extra=nbytes)
             self.pending[name] = {"file": name, "bytes": nbytes, "owner": OWNER,
                                   "since": time.time()}
