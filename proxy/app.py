@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,7 @@ from corral.proxy import (
     request_id,
     ui,
 )
-from corral.proxy.access import ADMIN
+from corral.proxy.access import ADMIN, CALLER
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.child_http import ChildPool
 from corral.proxy.edge import Edge
@@ -49,6 +50,7 @@ from corral.proxy.validate import (
 )
 from corral.supervisor.config import split_listen
 from corral.supervisor.errors import ShuttingDown, StartFailed, SupervisorError
+from corral.supervisor.port import CALLER as PINNED_FOR
 from corral.supervisor.port import Supervisor
 
 log = structlog.get_logger("corral.proxy")
@@ -137,7 +139,13 @@ def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) ->
                 denied = refused(request)
             if denied is not None:
                 return denied
-            return await handler(request)
+            # The leases this request takes (a group's members too) pin in its caller's
+            # namespace of the prompt cache.
+            token = PINNED_FOR.set(request.get(CALLER))
+            try:
+                return await handler(request)
+            finally:
+                PINNED_FOR.reset(token)
         except Exception as exc:
             if request.get(STARTED) and not isinstance(exc, ConnectionResetError):
                 # The status line and part of the body are out: a second response would land
@@ -230,13 +238,17 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
             # Worker mode: heads send worker.token (required, so never open).
             worker = [cfg.worker.token.get_secret_value().encode()] if cfg.worker.token \
                 else [b"\0never"]
-            cache.update(config=cfg, keys=(admin_only, v1, worker))
+            # Each key's name for the prompt cache's namespaces: a digest, so the key itself
+            # goes no further than this check (the cache salts the name again).
+            names = {k: hashlib.sha256(b"corral-caller\0" + k).hexdigest() for k in v1}
+            cache.update(config=cfg, keys=(admin_only, v1, worker), names=names)
         keys: tuple[list[bytes], list[bytes], list[bytes]] = cache["keys"]
         return keys
 
-    def allowed(request: web.Request, keys: list[bytes]) -> bool:
+    def matched(request: web.Request, keys: list[bytes]) -> bytes | None:
+        """The key of `keys` the request carries (b"" when none are needed), else None."""
         if not keys:
-            return True
+            return b""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer":
             given = token.strip().encode()
@@ -245,8 +257,11 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
             # Like Authorization, a header no web page can send without asking first.
             given = request.headers.get("x-api-key", "").strip().encode()
             if not given:
-                return False
-        return any(hmac.compare_digest(given, k) for k in keys)
+                return None
+        return next((k for k in keys if hmac.compare_digest(given, k)), None)
+
+    def allowed(request: web.Request, keys: list[bytes]) -> bool:
+        return matched(request, keys) is not None
 
     def refused(request: web.Request) -> web.Response | None:
         path = request.path
@@ -259,11 +274,13 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
             keys = v1
         else:
             keys = worker if path.startswith("/peer") else []
-        if not allowed(request, keys):
+        key = matched(request, keys)
+        if key is None:
             return error_response(401, "missing or invalid API key (Authorization: Bearer ... "
                                        "or x-api-key: ...)",
                                   code="invalid_api_key")
         request[ADMIN] = keys is admin_only or allowed(request, admin_only)
+        request[CALLER] = cache["names"].get(key) if keys is v1 else None
         return None
 
     return refused

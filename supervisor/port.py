@@ -8,6 +8,7 @@ proxy/ imports this module, the read-model values it names, errors and events; n
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -64,11 +65,19 @@ class Restored:
     key: str = ""
 
 
+# Who is asking: the name the proxy's auth gives the API key that authenticated the request (a
+# digest of it, never the key), None when no keys are configured. Set for the request's task,
+# so every lease it takes (the relay's, a group's members') is pinned in its namespace: the
+# prompt cache keeps each key's saves and slots apart (docs/memory.md, "Per key").
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("corral_caller",
+                                                                    default=None)
+
+
 class PromptSlots(Protocol):
     """A child's slots, as the prompt cache tracks them (supervisor/prompt_cache/)."""
 
     async def pin(self, lease: Lease, url: str, body: Any,
-                  parsed: dict[str, Any] | None = None) -> Any: ...
+                  parsed: dict[str, Any] | None = None, caller: str | None = None) -> Any: ...
     def unpin(self, lease: Lease) -> None: ...
     def verify(self, restored: Restored, cache_n: int | None) -> None: ...
 
@@ -114,11 +123,12 @@ class Lease:
     async def pin(self, url: str, body: Any, parsed: dict[str, Any] | None = None) -> Any:
         """Before the request goes to the child's `url` (at most once): with the prompt cache
         on, the body (bytes or a dict) pinned to a slot (`id_slot`), and a saved prefix
-        restored into that slot when it is empty and one matches (`restored`). Otherwise the
+        restored into that slot when it is empty and one matches (`restored`), all in the
+        namespace of the request's caller (`CALLER`). Otherwise the
         body as is. `parsed`: what bytes `body` parse to, when the caller has it already."""
         if self._prompt_slots is None or self.slot is not None:
             return body
-        return await self._prompt_slots.pin(self, url, body, parsed)
+        return await self._prompt_slots.pin(self, url, body, parsed, CALLER.get())
 
     def reused(self, cache_n: int | None) -> None:
         """The child's answer said it took `cache_n` prompt tokens from its cache
@@ -202,5 +212,5 @@ class Supervisor(Protocol):
     def reload(self, trigger: str) -> asyncio.Task[ReloadAttempt]: ...
 
 
-__all__ = ["Broken", "Lease", "LeaseOwner", "ModelStatus", "PromptSlots", "Reservation",
+__all__ = ["CALLER", "Broken", "Lease", "LeaseOwner", "ModelStatus", "PromptSlots", "Reservation",
            "Restored", "State", "Supervisor"]

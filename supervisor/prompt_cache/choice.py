@@ -23,6 +23,9 @@ from collections.abc import Collection, Hashable
 from typing import Any
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# Paths llama-server answers without a slot (tokenizing only): nothing of a slot changes.
+SLOTLESS = frozenset({"/tokenize", "/detokenize", "/apply-template",
+                      "/v1/messages/count_tokens"})
 # Request fields that are not the prompt: left out when corral asks the child for its tokens.
 _NOT_PROMPT = ("id_slot", "stream", "stream_options", "n_probs", "max_tokens")
 # How much of a completion prompt (characters) its index entry is made of. Shorter prompts
@@ -43,6 +46,9 @@ class Record:
     raw: bytes | dict[str, Any]
     tokens: list[int] | None = None  # known when a restore tokenized it already
     used: float = 0.0
+    # Whose request it was (namespace.py): a slot is matched only to requests of its own
+    # namespace, and given to another's only once its KV is erased (Slots.pin).
+    namespace: str = ""
     _body: dict[str, Any] | None = None
 
     def size(self) -> int:
@@ -130,19 +136,21 @@ def _message_key(message: object) -> Hashable:
 _Key = tuple[Any, ...]
 
 
-def _keys(path: str, conv: list[Any] | str) -> tuple[_Key, _Key] | None:
+def _keys(path: str, conv: list[Any] | str, namespace: str = "") -> tuple[_Key, _Key] | None:
     """A conversation's two index entries: `wide`, shared by every conversation with its
     first message (all that can share anything with it), and `narrow`, by those with its
     first two (all whose last request it can continue, but those of one message). A
-    completion prompt has one entry, its first characters. None: shares nothing."""
+    completion prompt has one entry, its first characters. None: shares nothing. Each entry
+    begins with the namespace: another key's slots are never found."""
     if isinstance(conv, str):
-        key = (path, conv[:_PROMPT_HEAD]) if len(conv) >= _PROMPT_HEAD else (path, _SHORT)
+        key = (namespace, path, conv[:_PROMPT_HEAD]) if len(conv) >= _PROMPT_HEAD \
+            else (namespace, path, _SHORT)
         return key, key
     if not conv:
         return None
     first = _message_key(conv[0])
     second = _message_key(conv[1]) if len(conv) > 1 else _END
-    return (path, first), (path, first, second)
+    return (namespace, path, first), (namespace, path, first, second)
 
 
 class Choice:
@@ -151,17 +159,23 @@ class Choice:
     def __init__(self, n: int):
         self.records: list[Record | None] = [None] * n
         self.leased: set[int] = set()
+        # Slots a request without an id_slot may have taken since their last request
+        # (llama-server chose its slot): what they hold is unknown. Sure again once corral
+        # pins a request to them (`take`).
+        self.unsure: set[int] = set()
         self._empty = collections.deque(range(n))
         self._wide: dict[Hashable, set[int]] = {}
         self._narrow: dict[Hashable, set[int]] = {}
         self._keys: list[tuple[_Key, _Key] | None] = [None] * n
         self._lru: list[tuple[float, int]] = []
 
-    def choose(self, path: str, conv: list[Any] | str) -> int | None:
-        """The slot for a request (None: every slot is leased); not taken yet (`take`)."""
+    def choose(self, path: str, conv: list[Any] | str, namespace: str = "") -> int | None:
+        """The slot for a request (None: every slot is leased); not taken yet (`take`). Only
+        slots whose last request was of `namespace` are matched to it; the empty and least
+        recently used ones may be another's (the caller erases those)."""
         if len(self.leased) >= len(self.records):
             return None
-        keys = _keys(path, conv)
+        keys = _keys(path, conv, namespace)
         if keys is not None:
             wide, narrow = keys
             # The slots whose last request this one may continue: same first two messages,
@@ -169,7 +183,7 @@ class Choice:
             if isinstance(conv, str):
                 continued = self._narrow.get(narrow, _NONE)
                 if len(conv) >= _PROMPT_HEAD:  # a shorter prompt may begin this one too
-                    continued = continued | self._narrow.get((path, _SHORT), _NONE)
+                    continued = continued | self._narrow.get((namespace, path, _SHORT), _NONE)
             else:
                 continued = self._narrow.get(narrow, _NONE)
                 if len(conv) > 1:
@@ -206,6 +220,7 @@ class Choice:
         """`slot` now serves `record` (leased until `release`); `conv`: its conversation,
         when the caller has it."""
         self.leased.add(slot)
+        self.unsure.discard(slot)  # this request replaces whatever the slot held
         if self._empty and self._empty[0] == slot:
             self._empty.popleft()
         elif slot in self._empty:
@@ -214,7 +229,7 @@ class Choice:
         self.records[slot] = record
         if conv is None and isinstance(record.raw, dict):
             conv = conversation(record.path, record.body)
-        keys = _keys(record.path, conv) if conv is not None else None
+        keys = _keys(record.path, conv, record.namespace) if conv is not None else None
         self._keys[slot] = keys
         if keys is not None:
             self._wide.setdefault(keys[0], set()).add(slot)
@@ -225,6 +240,7 @@ class Choice:
         again, out of the indexes. Still leased until `release`."""
         self._unindex(slot)
         self.records[slot] = None
+        self.unsure.discard(slot)
         self._keys[slot] = None
         if slot not in self._empty:
             self._empty.appendleft(slot)
@@ -238,6 +254,12 @@ class Choice:
                     group.discard(slot)
                     if not group:
                         del index[key]
+
+    def doubt(self) -> None:
+        """A request went to the child without an id_slot: any slot not leased now may be the
+        one llama-server gives it (an empty one holds nothing to lose)."""
+        self.unsure.update(i for i, r in enumerate(self.records)
+                           if r is not None and i not in self.leased)
 
     def release(self, slot: int) -> None:
         self.leased.discard(slot)

@@ -52,10 +52,13 @@ class Saver:
         self._per_token_read = False
 
     def changed(self) -> list[int]:
-        """Slots whose last request was never saved (nor found not worth it), not leased."""
+        """Slots whose last request was never saved (nor found not worth it), not leased, and
+        sure to hold it: a slot an unpinned request may have taken since (slots.py) holds
+        what corral cannot tell, never saved under its record's tokens."""
         records, slots = self._slots.records, self._slots
         return [i for i, r in enumerate(records)
-                if r is not None and r is not self._saved[i] and not slots.leased(i)]
+                if r is not None and r is not self._saved[i] and not slots.leased(i)
+                and i not in slots.unsure]
 
     # -- idle ----------------------------------------------------------------------------------
 
@@ -129,17 +132,21 @@ class Saver:
 
     # -- the stop ------------------------------------------------------------------------------
 
-    async def at_stop(self) -> None:
+    async def at_stop(self, until: float | None = None) -> None:
         """Before the child goes: an idle save under way is waited for (not begun again), then
         the slots changed since their last save are saved. Bounded by save_timeout in all,
-        never raises: a stop must never hang on it."""
+        and by `until` (the loop's clock: corral's shutdown budget), never raises: a stop must
+        never hang on it."""
         settings = self._cache.settings()
+        timeout = settings.save_timeout
+        if until is not None:
+            timeout = max(0.0, min(timeout, until - asyncio.get_running_loop().time()))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         task = self._task
         try:
-            async with asyncio.timeout(settings.save_timeout):
+            async with asyncio.timeout(timeout):
                 if task is not None and not task.done():
                     self._log.info("prompt_cache.save_awaited")
                     await asyncio.wait([task])
@@ -147,7 +154,7 @@ class Saver:
                 await self._save_changed(idle=False)
         except TimeoutError:
             self._log.warning("prompt_cache.save_cut_short", error="TimeoutError",
-                              timeout=settings.save_timeout)
+                              timeout=round(timeout, 3))
         finally:
             self.close()  # an idle save still writing past the deadline: the child goes
 
@@ -183,7 +190,8 @@ class Saver:
             for slot, record in todo:
                 if idle and (self._busy() or slots.leased(slot)):
                     return  # a request came: the rest waits for the next idle time
-                if slots.records[slot] is not record or slots.leased(slot):
+                if slots.records[slot] is not record or slots.leased(slot) \
+                        or slot in slots.unsure:
                     continue  # served another request since: saved when that one is done
                 n = int(held.get(slot) or 0)
                 if n < settings.min_tokens:
@@ -244,7 +252,8 @@ class Saver:
             store.commit(part, Entry(file=name, key=key, model=slots.model, tokens=tokens,
                                      n_tokens=int(data.get("n_saved") or len(tokens)),
                                      bytes=size, fingerprint=digest, saved_at=now,
-                                     last_used=now, head=record.head))
+                                     last_used=now, head=record.head,
+                                     namespace=record.namespace))
             indexed = True
         finally:
             self._writing = False

@@ -25,7 +25,14 @@ import structlog
 
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.port import Lease, Restored
-from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record, conversation
+from corral.supervisor.prompt_cache.choice import (
+    CHAT,
+    COMPLETIONS,
+    SLOTLESS,
+    Choice,
+    Record,
+    conversation,
+)
 from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.saver import Saver
 from corral.supervisor.prompt_cache.store import Entry
@@ -56,7 +63,10 @@ class Slots:
         self._base, self._headers, self._session = base_url, headers, session
         self._choice = Choice(spec.parallel)
         self.records = self._choice.records  # each slot's last request (None: empty)
+        self.unsure = self._choice.unsure  # slots an unpinned request may have taken
+        self._unpinned: set[Lease] = set()  # such requests in flight
         self._leased: dict[int, Lease] = {}
+        self._namespaces: set[str] = set()  # whose requests this child has served
         self._log = log.bind(model=model, instance=instance)
         self.saver = Saver(self, cache, busy, self._log)
 
@@ -89,26 +99,44 @@ class Slots:
     # -- requests ------------------------------------------------------------------------------
 
     async def pin(self, lease: Lease, url: str, body: Any,
-                  parsed: dict[str, Any] | None = None) -> Any:
+                  parsed: dict[str, Any] | None = None, caller: str | None = None) -> Any:
+        """`caller`: who sent it (supervisor.port.CALLER): its namespace decides which saves
+        and which slots' KV it may use."""
         # A request for this child: an idle save not yet sent to it waits for the next idle
         # time (the child would make the request wait for the save).
         self.saver.request_came()
         # The relay's URL is this child's base and a path: split only what is not.
         rest = url[len(self._base):]
         path = rest if url.startswith(self._base) and rest[:1] == "/" else urlsplit(url).path
+        namespace = self._cache.namespaces.of(caller)
+        if namespace not in self._namespaces:
+            self._namespaces.add(namespace)
         if path not in (CHAT, COMPLETIONS):
-            return body  # embeddings and the rest: no conversation to keep
+            # No conversation to keep, no id_slot.
+            return self._shared(path, self._astray(lease, path, body))
         choice = self._choice
         if len(self.records) == 1:
             # One slot: llama-server can use no other, so the body goes as it is (not parsed
             # on the hot path: only a restore or a save reads it).
             if 0 in self._leased:
-                return body
+                # Runs there once the other is done.
+                return self._shared(path, self._astray(lease, path, body))
             self._leased[0] = lease
             lease.slot = 0
-            record = Record(path, body, used=time.monotonic())
-            if self.records[0] is None:
-                await self._restore(lease, 0, record)
+            record = Record(path, body, used=time.monotonic(), namespace=namespace)
+            held = self.records[0]
+            try:
+                if held is not None and self._foreign(0, held, namespace):
+                    if not await self._erase(0):
+                        choice.take(0, record)
+                        return _without_reuse(body, None)
+                    held = None
+                if held is None or 0 in self.unsure:
+                    await self._restore(lease, 0, record)
+            except BaseException:
+                if len(self._namespaces) > 1:
+                    choice.take(0, _unknown(path))  # its KV may be anyone's now
+                raise
             choice.take(0, record)
             return body
         if parsed is None:
@@ -119,21 +147,33 @@ class Slots:
         if not isinstance(parsed, dict):
             return body
         conv = conversation(path, parsed)
-        slot = choice.choose(path, conv) if conv is not None else None
+        slot = choice.choose(path, conv, namespace) if conv is not None else None
         if slot is None:
-            return body
+            # A prompt array, token ids, every slot leased: the child picks the slot.
+            return self._shared(path, self._astray(lease, path, body))
         self._leased[slot] = lease
         lease.slot = slot
-        record = Record(path, parsed, used=time.monotonic())
-        empty = self.records[slot] is None
+        record = Record(path, parsed, used=time.monotonic(), namespace=namespace)
+        held = self.records[slot]
+        # Another namespace's slot (the least recently used, none of its own free): its KV
+        # is erased in the child first, or this request would reuse the prefix it shares
+        # with it (a faster answer, and `timings.cache_n` would say how much).
+        foreign = held is not None and self._foreign(slot, held, namespace)
+        # An unsure slot may hold another request's KV: restored like an empty one.
+        empty = held is None or slot in self.unsure
         choice.take(slot, record, conv)  # leased: no other request gets it while it restores
-        if empty:
+        if empty or foreign:
             try:
+                if foreign and not await self._erase(slot):
+                    return _without_reuse(body, parsed, slot)
                 await self._restore(lease, slot, record)
             except BaseException:
                 # Cancelled (the client hung up): the request never reaches the child, so
                 # the slot must not be saved later under its tokens.
-                choice.forget(slot)
+                if len(self._namespaces) > 1:
+                    choice.take(slot, _unknown(path))  # its KV may be anyone's now
+                else:
+                    choice.forget(slot)
                 raise
         if not isinstance(body, (bytes, bytearray)):
             return {**parsed, "id_slot": slot}
@@ -148,12 +188,57 @@ class Slots:
         return json.dumps({**parsed, "id_slot": slot}, ensure_ascii=False,
                           separators=(",", ":")).encode()
 
+    def _foreign(self, slot: int, held: Record, namespace: str) -> bool:
+        """Whether `slot`'s KV may be another namespace's: its last request was, or an
+        unpinned request may have run there since, with several namespaces on this child."""
+        return held.namespace != namespace or (slot in self.unsure and len(self._namespaces) > 1)
+
+    def _shared(self, path: str, body: Any) -> Any:
+        """An unpinned request: llama-server puts it on the slot whose prompt is most like
+        it, maybe another namespace's; with several namespaces on this child, a generation
+        reuses no cache."""
+        if len(self._namespaces) > 1 and path in _GENERATIONS:
+            return _without_reuse(body, None)
+        return body
+
+    async def _erase(self, slot: int) -> bool:
+        """Another namespace's KV out of `slot` (`POST /slots/N?action=erase`), within
+        restore_timeout. False: not erased (the request then goes with `cache_prompt: false`)."""
+        try:
+            async with asyncio.timeout(self._cache.settings().restore_timeout):
+                status, _ = await self.post(f"/slots/{slot}?action=erase", {})
+        except Exception as exc:
+            self._log.warning("prompt_cache.erase_skipped", slot=slot,
+                              error=str(exc) or type(exc).__name__)
+            return False
+        if status != 200:
+            self._log.warning("prompt_cache.erase_skipped", slot=slot, status=status)
+            return False
+        self._log.info("prompt_cache.slot_erased", slot=slot)
+        return True
+
     def unpin(self, lease: Lease) -> None:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
             self._choice.release(lease.slot)
+        elif lease in self._unpinned:
+            # Done on a slot of the child's choosing: any slot given back while it waited
+            # may be that one.
+            self._unpinned.discard(lease)
+            self._choice.doubt()
         # Any request's end (one that had no slot too: it put the debounce off all the same).
         self.saver.turn_ended()
+
+    def _astray(self, lease: Lease, path: str, body: Any) -> Any:
+        """`body` goes to the child without an id_slot: llama-server gives it whichever idle
+        slot it likes (/v1/messages, /v1/responses and /v1/embeddings ignore id_slot). The
+        slots it may take are unsure until corral pins a request to them again: never saved
+        under their last conversation's tokens (the file would hold another request's KV
+        and supersede that conversation's genuine one)."""
+        if path not in SLOTLESS:
+            self._choice.doubt()
+            self._unpinned.add(lease)
+        return body
 
     def close(self) -> None:
         """The child is going (or gone): no idle save begins any more."""
@@ -209,17 +294,19 @@ class Slots:
         try:
             async with asyncio.timeout(settings.restore_timeout):
                 key = await self.key()
-                if not store.has_key(key) or key in store.off or self.replaced():
+                # Only the caller's own saves: another key's are not there for it.
+                namespace = record.namespace
+                if not store.has_key(key, namespace) or key in store.off or self.replaced():
                     return
                 if record.body.get("cache_prompt") is False:
                     return  # the child is asked not to reuse its cache: nothing to restore
-                if not store.may_match(key, record.head):
+                if not store.may_match(key, record.head, namespace):
                     # No file of this setup began as this request does: not one can share
                     # a file's worth with it, and the child is not asked for its tokens.
                     store.counters.misses += 1
                     return
                 tokens = await self.tokens(record)
-                found = store.best(key, tokens, settings.min_tokens)
+                found = store.best(key, tokens, settings.min_tokens, namespace)
                 if found is None:
                     store.counters.misses += 1
                     return
@@ -266,3 +353,34 @@ class Slots:
         self._cache.events.publish("prompt_cache_restore_unused", model=self.model,
                                    instance=self.instance, file=restored.file,
                                    tokens=restored.tokens, cache_n=cache_n)
+
+
+# Where an unpinned request reuses the child's KV (llama-server's prompt cache): its
+# generations. Embeddings, rerank and the rest are left as sent.
+_GENERATIONS = frozenset({CHAT, COMPLETIONS, "/v1/messages", "/v1/responses", "/completion",
+                          "/completions", "/chat/completions", "/infill"})
+# A slot whose KV corral cannot vouch for (a restore or an erase cut off by a hang-up): the
+# next request, whoever's, erases it first. Never saved (too small to be worth a file).
+_UNKNOWN = "\0unknown"
+
+
+def _unknown(path: str) -> Record:
+    return Record(path, b"{}", namespace=_UNKNOWN)
+
+
+def _without_reuse(body: Any, parsed: dict[str, Any] | None, slot: int | None = None) -> Any:
+    """The body with `cache_prompt: false` (and `id_slot`): the child reuses nothing of what
+    the slot held."""
+    if parsed is None:
+        try:
+            parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+        except ValueError:
+            return body  # the child refuses it itself
+        if not isinstance(parsed, dict):
+            return body
+    changed = {**parsed, "cache_prompt": False}
+    if slot is not None:
+        changed["id_slot"] = slot
+    if not isinstance(body, (bytes, bytearray)):
+        return changed
+    return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
