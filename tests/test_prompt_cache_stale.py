@@ -21,11 +21,14 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from corral.supervisor.config.schema import PromptCacheConfig
+from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.events import EventBus
 from corral.supervisor.gguf_header import header_digest, read_header
-from corral.supervisor.prompt_cache import identity
+from corral.supervisor.prompt_cache import PromptCache, identity
 from corral.supervisor.prompt_cache.identity import file_id
 
-from conftest import Corral, CorralFactory, wait_until
+from conftest import Corral, CorralFactory, llama_server_binary, wait_until
 
 # About 450 tokens for the tiny models' byte vocabulary: worth a file (min_tokens 64).
 _SYSTEM = "You keep the valley's ledger. " + " ".join(
@@ -253,3 +256,26 @@ def test_the_hash_reads_no_weights_and_is_taken_once_per_file_version(
     assert touched.replaced() and asyncio.run(file_id(path)).digest != first.digest
     path.unlink()
     assert touched.replaced()  # gone counts as replaced
+
+
+def test_every_file_the_child_maps_is_in_the_key(tmp_path: Path) -> None:
+    """A split model's other parts and the projector: each replaced, a new key."""
+    cache = PromptCache(tmp_path / "cache", PromptCacheConfig, EventBus())
+    binary = llama_server_binary()
+    first = _gguf(tmp_path / "m-00001-of-00002.gguf")
+    second = _gguf(tmp_path / "m-00002-of-00002.gguf", name="part two")
+    mmproj = _gguf(tmp_path / "mmproj.gguf", name="projector")
+    spec = ModelSpec(name="m", backend="llama-server", model_path=first, aliases=(), ttl=0,
+                     ctx=2048, parallel=1, n_gpu_layers=0, threads=1, cache_type_k=None,
+                     cache_type_v=None, args=(), env={}, binary=None, start_timeout=10,
+                     max_queue=1, queue_timeout=1, stop_grace=1, mmproj=mmproj)
+    base = asyncio.run(cache.setup(spec, binary))
+    assert [f.path for f in base.files] == [str(first), str(second), str(mmproj)]
+    assert asyncio.run(cache.setup(spec, binary)) == base and base.replaced() is None
+    keys = {base.key}
+    for path in (second, mmproj):
+        os.replace(_gguf(tmp_path / "new.gguf", name=f"new {path.name}"), path)
+        assert base.replaced() is not None
+        again = asyncio.run(cache.setup(spec, binary))
+        assert again.key not in keys
+        keys.add(again.key)

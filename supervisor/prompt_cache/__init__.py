@@ -23,6 +23,7 @@ import structlog
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.events import EventBus
+from corral.supervisor.inventory import shards
 from corral.supervisor.prompt_cache.identity import Setup, file_id, key_parts
 from corral.supervisor.prompt_cache.namespace import Namespaces
 from corral.supervisor.prompt_cache.store import Entry, Store
@@ -75,12 +76,14 @@ class PromptCache:
 
     async def setup(self, spec: ModelSpec, binary: str) -> Setup:
         """What a saved KV cache is only valid for, taken at the child's spawn (identity.py):
-        each file it maps (model, mmproj: path, device, inode, size, mtime and a hash of the
-        GGUF header and tensor index), the context per slot, the cache types, the user's
-        extra flags (flash attention, rope, ... change the layout), the RPC workers and the
-        llama-server build. Any difference: never restored. Raises OSError."""
-        files = tuple([await file_id(path) for path in (spec.model_path, spec.mmproj)
-                       if path is not None])
+        each file it maps (the model, all its parts if split, the mmproj: path, device,
+        inode, size, mtime and a hash of the GGUF header and tensor index), the context per
+        slot, the cache types, the user's extra flags (flash attention, rope, ... change the
+        layout), the RPC workers and the llama-server build. Any difference: never
+        restored. Raises OSError."""
+        # Every part of a split model (llama-server maps them all), then the projector.
+        paths = [*shards(Path(spec.model_path)), *([spec.mmproj] if spec.mmproj else [])]
+        files = tuple([await file_id(path) for path in paths])
         parts = {"files": [key_parts(f) for f in files],
                  "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
                  "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
