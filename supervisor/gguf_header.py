@@ -1,9 +1,10 @@
 """A GGUF file's header: its key/values and its tensor table, read without its tensor data.
 
-The one GGUF reader of corral: the memory estimate, the inventory /v1/models shows and the
-admin's GGUF view all read through it. gguf's GGUFReader decodes every array, which took 3.7 to
-5.4 s for SmolLM2's 49k-token vocabulary on this machine; this reader skips long arrays (a
-tokenizer's tokens, scores, merges), keeping their length, and takes milliseconds. The type
+The one GGUF reader of corral: the memory estimate, the inventory /v1/models shows, the
+admin's GGUF view and the prompt cache's setup key all read through it. gguf's GGUFReader
+decodes every array, which took 3.7 to 5.4 s for SmolLM2's 49k-token vocabulary on this
+machine; this reader skips long arrays (a tokenizer's tokens, scores, merges), keeping their
+length, and takes milliseconds. The type
 tables (block sizes, type names) are gguf's own. Headers are cached per file version (resolved
 path, mtime, size), so the several readers of one file at startup parse it once.
 """
@@ -92,19 +93,19 @@ def header_digest(path: Path) -> tuple[os.stat_result, str]:
     Blocking: seconds on a slow disk at worst, so callers run it in a thread."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
+        try:
+            # Parsed once per file version: the estimate and the inventory read it too.
+            end = _read_cached(Path(path).resolve(), st.st_mtime_ns, st.st_size).data_start
+        except (OSError, ValueError):
+            end = _NOT_GGUF_DIGEST  # llama-server refuses it anyway: any stable digest
         digest = hashlib.sha256(b"gguf-header\0")
-        if st.st_size == 0:
-            return st, digest.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            try:
-                end = _parse(Path(path), buf).data_start
-            except (ValueError, struct.error, KeyError, OverflowError, MemoryError):
-                end = _NOT_GGUF_DIGEST  # llama-server refuses it anyway: any stable digest
-            view = memoryview(buf)
-            try:
-                digest.update(view[:min(end, st.st_size, DIGEST_LIMIT)])
-            finally:
-                view.release()
+        left = min(end, st.st_size, DIGEST_LIMIT)
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
     return st, digest.hexdigest()
 
 
