@@ -158,6 +158,13 @@ def test_check_warns_when_the_caches_loaded_together_pass_the_budget(
     assert cache_ram_warnings(parse_config(text.replace("max_loaded: 2", "max_loaded: 1"))) == []
     assert cache_ram_warnings(parse_config(model_yaml(path, top="memory: {budget_mb: 100}\n"))) \
         == []
+    # A cache set on a child several user keys share.
+    shared = cache_ram_warnings(parse_config(model_yaml(
+        path, "    cache_ram_mb: 64\n", "api_keys: [alice, bob]\n")))
+    assert [w.key for w in shared] == ["models.m.cache_ram_mb"]
+    assert "shared by every caller, and api_keys lists 2 keys" in shared[0].message
+    assert cache_ram_warnings(parse_config(model_yaml(path, top="api_keys: [alice, bob]\n"))) \
+        == []
     config = tmp_path / "corral.yaml"
     config.write_text(text)
     done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check", str(config)],

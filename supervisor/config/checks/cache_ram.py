@@ -18,9 +18,33 @@ MIB = 1024 * 1024
 
 
 def cache_ram_warnings(loaded: LoadedConfig) -> list[ConfigIssue]:
-    """The warning, at the biggest cache's key, or none. Auto caches are left out: each is
-    at most 1/16 of the budget. The budget is `memory.budget_mb`, else this machine's RAM
-    less `memory.reserve_mb` (the message says which)."""
+    """The caches set of the models that may be loaded together past the RAM budget (at the
+    biggest cache's key), and a cache set on a child that several user keys share."""
+    return _over_budget(loaded) + _shared_by_keys(loaded)
+
+
+def _shared_by_keys(loaded: LoadedConfig) -> list[ConfigIssue]:
+    """Auto is 0 with several api_keys; a number set there gives that isolation up."""
+    if len(loaded.config.api_keys) <= 1:
+        return []
+    out = []
+    for name, spec in loaded.models.items():
+        own = cache_ram.own_mib(spec.args, spec.env)
+        mib = spec.cache_ram_mb if own is None else own
+        if spec.backend == "llama-server" and mib:
+            key = ("models", name, "args") if own is not None else \
+                ("models", name, "cache_ram_mb")
+            out.append(loaded.issue(key, (
+                f"{name}'s RAM prompt cache (--cache-ram {mib}) is shared by every caller, "
+                f"and api_keys lists {len(loaded.config.api_keys)} keys: one key's cached "
+                f"prefix speeds up another's guess (auto is 0 with several keys)")))
+    return out
+
+
+def _over_budget(loaded: LoadedConfig) -> list[ConfigIssue]:
+    """Auto caches are left out: each is at most 1/16 of the budget. The budget is
+    `memory.budget_mb`, else this machine's RAM less `memory.reserve_mb` (the message says
+    which)."""
     config = loaded.config
     sizes: dict[str, int] = {}
     for name, spec in loaded.models.items():
