@@ -177,6 +177,57 @@ async def _cut_short(tmp_path: Path) -> None:
     assert store.pending == {} and not store.entries and not list(tmp_path.glob("*" + SUFFIX))
 
 
+def test_a_save_cut_short_over_http_is_deleted_once_the_child_goes(tmp_path):
+    """The same over a real HTTP connection (aiohttp both sides, as Slots.post does): the child
+    writes part of the file and hangs; corral gives up at save_timeout; the child then goes
+    (its server closes the connection), and only then is the file deleted."""
+    asyncio.run(_cut_short_http(tmp_path))
+
+
+async def _cut_short_http(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    cache = _cache(tmp_path, save_timeout=0.3, max_mb=4)
+    hang = asyncio.Event()
+    wrote: list[Path] = []
+
+    async def save(request: web.Request) -> web.Response:
+        target = tmp_path / (await request.json())["filename"]
+        target.write_bytes(b"\0" * 250_000)  # half written, then stuck (a SIGSTOPped child)
+        wrote.append(target)
+        await hang.wait()
+        return web.json_response({"n_saved": 500})
+
+    app = web.Application()
+    app.router.add_post("/slots/{slot}", save)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    async with aiohttp.ClientSession() as session:
+        child = _Child(cache)
+
+        async def post(path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+            async with session.post(f"http://127.0.0.1:{port}{path}", json=payload) as resp:
+                return resp.status, await resp.json(content_type=None)
+
+        child.post = post  # type: ignore[method-assign]
+        child.records[0] = _record()
+        saver = _saver(child, per_token=1000)
+        log = saver._log
+        await saver.at_stop()
+        assert "prompt_cache.save_cut_short" in [line[0] for line in log.lines]
+        (part,) = wrote
+        # Still being written: kept, and counted whole.
+        assert part.exists() and part.name in cache.store.pending
+        assert _used(cache.store) >= 500 * 1000
+        await runner.cleanup()  # the child goes: its connection closes
+        await _until(lambda: not part.exists())
+        assert not cache.store.pending and not cache.store.entries
+        assert "prompt_cache.partial_deleted" in [line[0] for line in log.lines]
+
+
 def test_a_restart_deletes_the_temporary_files_of_a_daemon_that_died(tmp_path):
     store = Store(tmp_path, lambda: 4 * MiB)
     # A daemon killed mid-save: its temporary file, listed pending under its (dead) owner;

@@ -242,11 +242,6 @@ class Store:
             else:
                 mine.last_used = max(mine.last_used, entry.last_used)
 
-    def refresh(self) -> None:
-        """The other daemons' changes to the index, read if there are any (a stat otherwise)."""
-        with self._lock.held():
-            self._sync()
-
     # -- files ---------------------------------------------------------------------------------
 
     def check(self, entry: Entry) -> str | None:
