@@ -83,12 +83,20 @@ class PromptCache:
         restored. Raises OSError."""
         # Every part of a split model (llama-server maps them all), then the projector.
         paths = [*shards(Path(spec.model_path)), *([spec.mmproj] if spec.mmproj else [])]
-        files = tuple([await file_id(path) for path in paths])
+        # At once, on the start's path: the binary's --version (40 ms here, a process) beside
+        # the headers' hashes (threads); the first error stops the rest and is raised.
+        try:
+            async with asyncio.TaskGroup() as group:
+                build = group.create_task(self.build(binary))
+                ids = [group.create_task(file_id(path)) for path in paths]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        files = tuple(task.result() for task in ids)
         parts = {"files": [key_parts(f) for f in files],
                  "ctx_per_slot": spec.ctx // max(spec.parallel, 1),
                  "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
                  "args": list(spec.args), "rpc": list(spec.rpc_servers),
-                 "build": await self.build(binary)}
+                 "build": build.result()}
         key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
         return Setup(key, files)
 
