@@ -11,6 +11,7 @@ children at the end."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
@@ -65,6 +66,16 @@ def _status(corral: Corral) -> dict[str, Any]:
 def _setups(corral: Corral) -> list[str]:
     """Each saved file's setup key, newest first."""
     return [e["setup"] for e in _status(corral)["entries"]]
+
+
+def _log(corral: Corral) -> list[dict[str, Any]]:
+    records = []
+    for line in corral.log_path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def _unload(corral: Corral, saves: int) -> None:
@@ -184,6 +195,13 @@ def test_a_file_replaced_under_a_running_child_gives_it_no_restores(
     assert _status(corral)["hits"] == 0
     _unload(corral, saves=5)
     assert len(set(_setups(corral))) == 2
+
+    # Each child's key was taken before its process started, and is the one its saves have.
+    order = [r["event"] for r in _log(corral) if r.get("event") in ("prompt_cache.setup",
+                                                                    "child.spawned")]
+    assert order == ["prompt_cache.setup", "child.spawned"] * 3
+    keys = [e["key"] for e in corral.log_events("prompt_cache.setup")]
+    assert keys[:2] == [old, old] and keys[2] == _setups(corral)[0] != old
 
 
 # -- the header hash, without children -----------------------------------------------------------

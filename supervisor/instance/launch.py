@@ -203,12 +203,16 @@ class Launch:
         it cannot be known: a file or binary that cannot be read fails the start itself."""
         if self._identify is None:
             return None
+        began = time.monotonic()
         try:
             async with asyncio.timeout(SETUP_TIMEOUT):
-                return await self._identify(self.spec, binary)
+                setup = await self._identify(self.spec, binary)
         except Exception as exc:  # OSError, TimeoutError, a binary's odd --version
             self._log.warning("prompt_cache.setup_unknown", error=f"{type(exc).__name__}: {exc}")
             return None
+        self._log.debug("prompt_cache.setup", key=setup.key,
+                        ms=round((time.monotonic() - began) * 1000, 1))
+        return setup
 
     async def _deploy(self, port: int) -> Deployment:
         """Start the model's RPC workers and plan its split; the head's argv takes both.
