@@ -413,6 +413,7 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
     from corral.proxy.app import create_app
     from corral.supervisor.config.watch import watch_config, watch_models_dir
     from corral.supervisor.daemon import Daemon
+    from corral.supervisor.daemon.shutdown import HANDLERS_S, TASKS_S, ShutdownBudget
     from corral.supervisor.sdnotify import ServiceNotifier
 
     daemon = Daemon(loaded, state_file, config_loader=loader, runtime=runtime)
@@ -431,8 +432,10 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         # systemd's ExecReload sends SIGHUP. The reload is the daemon's task; the result goes
         # to its log and GET /admin/config.
         loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
+        # The drain is the daemon's (Daemon.close, within the shutdown budget): what is still
+        # open once the children are gone gets HANDLERS_S, then is cancelled.
         runner = web.AppRunner(create_app(daemon, host), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=loaded.config.shutdown_grace)
+                               shutdown_timeout=HANDLERS_S)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         try:
@@ -453,16 +456,20 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
                     asyncio.create_task(watch_models_dir(daemon, stop), name="models-dir-watch"),
                     ] if watch else []
         await stop.wait()
+        # From the signal on, everything to the exit fits shutdown_timeout (the reloaded
+        # value, if any), which systemd's TimeoutStopSec stays above (daemon/shutdown.py).
+        config = daemon.loaded.config
+        budget = ShutdownBudget.starting_now(config.shutdown_timeout)
         loop.remove_signal_handler(signal.SIGHUP)
+        log.info("corral.shutting_down", grace=config.shutdown_grace,
+                 timeout=config.shutdown_timeout)
+        await site.stop()  # no new connections; open ones finish under the daemon's grace
         if watchers:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.wait(watchers), 2)  # `stop` ends them
+                await asyncio.wait_for(asyncio.wait(watchers), TASKS_S)  # `stop` ends them
             for watcher in watchers:
                 watcher.cancel()
-        grace = daemon.loaded.config.shutdown_grace  # the reloaded value, if any
-        log.info("corral.shutting_down", grace=grace)
-        await site.stop()  # no new connections; open ones finish under the daemon's grace
-        await daemon.close(grace)  # publishes "stopping": STOPPING=1
+        await daemon.close(config.shutdown_grace, budget)  # publishes "stopping": STOPPING=1
         await runner.cleanup()
         return 0
     finally:

@@ -35,6 +35,7 @@ from corral.supervisor.daemon.memory_loop import MemoryLoop
 from corral.supervisor.daemon.planner import Planner
 from corral.supervisor.daemon.read_model import ReadModel
 from corral.supervisor.daemon.reloader import Reloader
+from corral.supervisor.daemon.shutdown import TASKS_S, ShutdownBudget
 from corral.supervisor.daemon.ttl import TtlSweeper
 from corral.supervisor.events import EventBus
 from corral.supervisor.instance import State
@@ -136,14 +137,28 @@ class Daemon:
         self.memory_loop.wake()
         self.tasks.spawn(self.read_model.read_inventory(loaded), "inventory")
 
-    async def close(self, grace: float) -> None:
-        """Stop taking work, let in-flight requests finish (bounded), stop every child."""
+    async def close(self, grace: float, budget: ShutdownBudget | None = None) -> None:
+        """Stop taking work, let in-flight requests finish (bounded), save and stop every
+        child, all within `budget` when given (shutdown.py says the order and the bounds)."""
         herd = self.herd
         herd.closing = True
         self.events.publish("stopping", in_flight=sum(i.in_flight for i in herd.everyone()))
         herd.changed.fire()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        kill_by: float | None = None
+        if budget is not None:
+            # What the children's stops may take after the drain: the longest save and
+            # stop_grace of those running (they stop all at once).
+            save = self.prompt_cache.settings().save_timeout
+            stops = max((i.spec.stop_grace + (save if i.prompt_slots is not None else 0.0)
+                         for i in herd.everyone() if i.state is not State.STOPPED), default=0.0)
+            deadline = budget.drain_until(grace, stops)
+            kill_by = budget.kill_by
+            log.info("daemon.shutdown_budget", total=budget.total,
+                     drain=round(max(0.0, deadline - loop.time()), 3),
+                     save_timeout=save, stops=stops,
+                     kill_by=round(budget.kill_by - budget.began, 3))
         while any(i.in_flight for i in herd.everyone()):
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -153,11 +168,16 @@ class Daemon:
             await herd.changed.wait(remaining)  # every lease given back fires it
         # The models' operations first (none may start a child after this), then the
         # daemon's own tasks.
-        await asyncio.gather(*(m.tasks.close() for m in herd.models.values()))
-        await self.tasks.close()
-        await self.pulls.close()  # their parts stay, to be resumed
-        # Stops are never cancelled: each ends with its process group gone.
-        await asyncio.gather(*(i.stop("daemon shutdown", cause="shutdown")
+        await asyncio.gather(*(m.tasks.close(TASKS_S) for m in herd.models.values()))
+        await self.tasks.close(TASKS_S)
+        try:
+            # Cancelled pulls close their files at once; their parts stay, to be resumed.
+            await asyncio.wait_for(self.pulls.close(), TASKS_S)
+        except TimeoutError:
+            log.warning("daemon.pulls_slow_to_end", timeout=TASKS_S)
+        # Stops are never cancelled: each ends with its process group gone. All at once, so
+        # every child's saves run side by side, each before its child's SIGTERM.
+        await asyncio.gather(*(i.stop("daemon shutdown", cause="shutdown", kill_by=kill_by)
                                for i in herd.everyone() if i.state is not State.STOPPED),
                              return_exceptions=True)
         if self._lender is not None:

@@ -43,7 +43,14 @@ class Config(BaseModel):
     max_answer_mb: float = Field(
         64, gt=0, description="a whole (not streamed) answer of a child or remote is held in "
         "memory up to this size; a bigger or endless one is a 502")
-    shutdown_grace: float = Field(30, ge=0)
+    shutdown_grace: float = Field(
+        30, ge=0, description="seconds SIGTERM lets in-flight requests finish (also an "
+        "unload's and a reload's drain); at a shutdown, less when shutdown_timeout needs the "
+        "time for the saves and the children's stops")
+    shutdown_timeout: float = Field(
+        50, gt=0, description="seconds from SIGTERM to corral's exit, all of it: drain, "
+        "prompt-cache saves, children's stop_grace and SIGKILL. Keep it below the service "
+        "manager's stop timeout (systemd/corral.service: TimeoutStopSec=60)")
     client_write_timeout: float = Field(
         30, gt=0, description="seconds a write to a client may wait for the client to take "
         "bytes; past that the client is cut off, its upstream request dropped and the model's "
