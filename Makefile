@@ -61,8 +61,12 @@ $(HF_VENV)/.installed:
 	$(HF_VENV)/bin/pip install --progress-bar off $(HF_PKG)
 	touch $@
 
+# Modules run on TEST_WORKERS workers, a module per worker at a time (its tests share its
+# daemons and children), longest first (tests/module_order.py). Most of a module's time is
+# children starting and waiting, so more workers than cores pays: 3 on a 2-core box.
+TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -lt 3 ] && n=3; [ $$n -gt 8 ] && n=8; echo $$n)
 test: demo-model embed-model vllm hf agents system-deps
-	$(BIN)/pytest --durations=20
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 # The lowest versions pyproject.toml allows for corral's own dependencies (.ci/floors.py pins
 # each `>=` floor), in a venv of their own: the relay, client-io and streaming tests and the

@@ -30,6 +30,9 @@ from minilm_gguf import write_minilm_gguf
 from tinymodel import write_tiny_llama
 from tinyvision import write_tiny_vision
 
+# Longest modules first to xdist's workers (make test runs the suite on several).
+pytest_plugins = ["module_order"]
+
 REPO = Path(__file__).resolve().parent.parent
 SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"  # presets/council.yaml's embedder
