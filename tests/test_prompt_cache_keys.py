@@ -6,6 +6,9 @@ nothing, and the key's own next turn still restores. No keys configured: restore
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
+from corral.supervisor.config.schema import PromptCacheConfig
+from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.events import EventBus
+from corral.supervisor.prompt_cache import PromptCache
+from corral.supervisor.prompt_cache.choice import CHAT, Choice, Record
+from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.namespace import SALT, Namespaces
+from corral.supervisor.prompt_cache.slots import Slots
+from corral.supervisor.prompt_cache.store import SUFFIX, Entry, Store, fingerprint
 
 from conftest import Corral, CorralFactory, wait_until
 
@@ -155,3 +166,142 @@ def test_namespaces_are_salted_per_state_dir(tmp_path):
     assert one.of("x") == again.of("x") != one.of("y")
     assert one.of("x") != other.of("x")  # another dir's salt: unrelated names
     assert (a / SALT).stat().st_mode & 0o777 == 0o600
+
+
+# -- without a child -------------------------------------------------------------------------
+
+def _chat_record(messages: list[dict[str, str]], namespace: str) -> Record:
+    return Record(CHAT, {"messages": messages}, used=time.monotonic(), namespace=namespace)
+
+
+def test_slot_choice_matches_only_the_callers_own_slots():
+    choice = Choice(2)
+    alice = _conversation("Alice's.")
+    choice.take(0, _chat_record(alice, "a"))
+    choice.release(0)
+    # Bob's copy of Alice's conversation: not her slot (an empty one is there).
+    assert choice.choose(CHAT, alice, "b") == 1
+    assert choice.choose(CHAT, alice, "a") == 0
+    choice.take(1, _chat_record(_conversation("Bob's."), "b"))
+    choice.release(1)
+    # No empty slot, none of Bob's shares anything: the least recently used, Alice's (the
+    # caller erases it), never found as "the one sharing most".
+    assert choice.choose(CHAT, [*alice, {"role": "user", "content": "more"}], "b") == 0
+    assert choice.choose(CHAT, [*alice, {"role": "user", "content": "more"}], "a") == 0
+
+
+def test_the_store_sees_one_namespace_at_a_time(tmp_path):
+    store = Store(tmp_path, lambda: 1 << 30)
+    tokens = list(range(300))
+
+    def entry(name: str, namespace: str, n: int) -> Entry:
+        path = tmp_path / f"{name}{SUFFIX}"
+        path.write_bytes(name.encode() * 100)
+        size, digest = fingerprint(path)
+        return Entry(file=path.name, key="k", model="m", tokens=tokens[:n], n_tokens=n,
+                     bytes=size, fingerprint=digest, saved_at=1.0, last_used=1.0, head="h",
+                     namespace=namespace)
+
+    store.add(entry("alice", "a", 200))
+    assert store.has_key("k", "a") and not store.has_key("k", "b") and not store.has_key("k")
+    assert store.may_match("k", "h", "a") and not store.may_match("k", "h", "b")
+    assert store.best("k", tokens, 64, "b") is None and store.best("k", tokens, 64) is None
+    found = store.best("k", tokens, 64, "a")
+    assert found is not None and found[0].file == f"alice{SUFFIX}"
+    # Bob's longer save of the same tokens supersedes nothing of Alice's.
+    store.add(entry("bob", "b", 300))
+    assert {e.namespace for e in store.entries.values()} == {"a", "b"}
+    found = store.best("k", tokens, 64, "b")
+    assert found is not None and found[0].file == f"bob{SUFFIX}"
+    # Read again from the index: the namespaces survive a restart.
+    again = Store(tmp_path, lambda: 1 << 30)
+    assert {e.namespace for e in again.entries.values()} == {"a", "b"}
+
+
+class _Child(Slots):
+    """Slots over a fake child: its /slots actions recorded, erases answered with `status`."""
+
+    def __init__(self, cache: PromptCache, parallel: int, status: int = 200):
+        spec = ModelSpec(name="m", backend="llama-server", model_path=Path("m.gguf"),
+                         aliases=(), ttl=0, ctx=2048, parallel=parallel, n_gpu_layers=0,
+                         threads=1, cache_type_k=None, cache_type_v=None, args=(), env={},
+                         binary=None, start_timeout=10, max_queue=1, queue_timeout=1,
+                         stop_grace=1, prompt_cache=True)
+        super().__init__(cache, model="m", instance="m", spec=spec,
+                         setup=Setup("k", ()), base_url=BASE, headers={},
+                         session=None)  # type: ignore[arg-type]
+        self.posts: list[str] = []
+        self.status = status
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        self.posts.append(path)
+        return self.status, {}
+
+
+BASE = "http://127.0.0.1:1"
+
+
+class _Lease:
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self.restored = None
+
+
+async def _send(child: _Child, caller: str | None, messages: list[dict[str, str]],
+                path: str = CHAT) -> dict[str, Any]:
+    lease = _Lease()
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    sent = await child.pin(lease, BASE + path, body, caller=caller)  # type: ignore[arg-type]
+    child.unpin(lease)  # type: ignore[arg-type]
+    result: dict[str, Any] = json.loads(sent)
+    return result
+
+
+def test_a_slot_changing_hands_is_erased_first(tmp_path):
+    asyncio.run(_changing_hands(tmp_path))
+
+
+async def _changing_hands(tmp_path: Path) -> None:
+    cache = PromptCache(tmp_path, PromptCacheConfig, EventBus())
+    alice, bob = _conversation("Alice's."), _conversation("Bob's.")
+    child = _Child(cache, parallel=2)
+    more = [*alice, {"role": "user", "content": "?"}]
+    assert (await _send(child, "alice", alice))["id_slot"] == 0
+    assert (await _send(child, "bob", alice))["id_slot"] == 1  # an empty slot, not hers
+    assert (await _send(child, "bob", more))["id_slot"] == 1  # his own, continued
+    assert child.posts == []
+    # Bob's new conversation: the least recently used slot, Alice's, erased before it
+    # serves him (the child is told nothing else: the body is as usual).
+    sent = await _send(child, "bob", bob)
+    assert sent["id_slot"] == 0 and child.posts == ["/slots/0?action=erase"]
+    assert "cache_prompt" not in sent
+    # Alice's next turn: her slot is gone to Bob, and neither of his is reused for her.
+    sent = await _send(child, "alice", more)
+    assert sent["id_slot"] == 1 and child.posts[1:] == ["/slots/1?action=erase"]
+    # Her own slot again: nothing erased.
+    sent = await _send(child, "alice", [*more, {"role": "user", "content": "!"}])
+    assert sent["id_slot"] == 1 and len(child.posts) == 2
+
+    # An unpinned generation on a child two keys use: sent with cache_prompt false, and the
+    # slots it may have taken are erased before a pinned request uses them.
+    child.posts.clear()
+    sent = await _send(child, "alice", alice, path="/v1/messages")
+    assert sent["cache_prompt"] is False and "id_slot" not in sent
+    sent = await _send(child, "bob", _conversation("Bob's third."))
+    assert child.posts == [f"/slots/{sent['id_slot']}?action=erase"]
+
+    # No keys (one namespace): nothing erased, bodies as before.
+    plain = _Child(PromptCache(tmp_path / "plain", PromptCacheConfig, EventBus()), parallel=2)
+    for messages in (alice, bob, alice, _conversation("third"), bob):
+        sent = await _send(plain, None, messages)
+        assert "cache_prompt" not in sent
+    assert (await _send(plain, None, alice, path="/v1/messages")) == {
+        "model": "m", "messages": alice}
+    assert plain.posts == []
+
+    # An erase the child refuses: the request goes with cache_prompt false.
+    one = _Child(PromptCache(tmp_path / "one", PromptCacheConfig, EventBus()), parallel=1,
+                 status=500)
+    await _send(one, "alice", alice)
+    sent = await _send(one, "bob", alice)
+    assert one.posts == ["/slots/0?action=erase"] and sent["cache_prompt"] is False

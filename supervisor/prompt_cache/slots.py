@@ -67,6 +67,7 @@ class Slots:
         self._unpinned: set[Lease] = set()  # such requests in flight
         self._leased: dict[int, Lease] = {}
         self._namespaces: set[str] = set()  # whose requests this child has served
+        self._strays = False  # whether any request went to it unpinned (on a slot it chose)
         self._log = log.bind(model=model, instance=instance)
         self.saver = Saver(self, cache, busy, self._log)
 
@@ -126,7 +127,7 @@ class Slots:
             record = Record(path, body, used=time.monotonic(), namespace=namespace)
             held = self.records[0]
             try:
-                if held is not None and self._foreign(0, held, namespace):
+                if self._foreign(0, held, namespace):
                     if not await self._erase(0):
                         choice.take(0, record)
                         return _without_reuse(body, None)
@@ -158,7 +159,7 @@ class Slots:
         # Another namespace's slot (the least recently used, none of its own free): its KV
         # is erased in the child first, or this request would reuse the prefix it shares
         # with it (a faster answer, and `timings.cache_n` would say how much).
-        foreign = held is not None and self._foreign(slot, held, namespace)
+        foreign = self._foreign(slot, held, namespace)
         # An unsure slot may hold another request's KV: restored like an empty one.
         empty = held is None or slot in self.unsure
         choice.take(slot, record, conv)  # leased: no other request gets it while it restores
@@ -188,15 +189,21 @@ class Slots:
         return json.dumps({**parsed, "id_slot": slot}, ensure_ascii=False,
                           separators=(",", ":")).encode()
 
-    def _foreign(self, slot: int, held: Record, namespace: str) -> bool:
-        """Whether `slot`'s KV may be another namespace's: its last request was, or an
-        unpinned request may have run there since, with several namespaces on this child."""
-        return held.namespace != namespace or (slot in self.unsure and len(self._namespaces) > 1)
+    def _foreign(self, slot: int, held: Record | None, namespace: str) -> bool:
+        """Whether `slot`'s KV may be another namespace's: its last request was, or, with
+        several namespaces on this child, an unpinned request may have run there since (a
+        slot corral has not used yet included: llama-server may have given it one)."""
+        if held is not None and held.namespace != namespace:
+            return True
+        return len(self._namespaces) > 1 \
+            and (slot in self.unsure or (held is None and self._strays))
 
     def _shared(self, path: str, body: Any) -> Any:
         """An unpinned request: llama-server puts it on the slot whose prompt is most like
         it, maybe another namespace's; with several namespaces on this child, a generation
         reuses no cache."""
+        if path not in SLOTLESS:
+            self._strays = True
         if len(self._namespaces) > 1 and path in _GENERATIONS:
             return _without_reuse(body, None)
         return body
@@ -231,7 +238,9 @@ class Slots:
 
     def _astray(self, lease: Lease, path: str, body: Any) -> Any:
         """`body` goes to the child without an id_slot: llama-server gives it whichever idle
-        slot it likes (/v1/messages, /v1/responses and /v1/embeddings ignore id_slot). The
+        slot it likes (/v1/messages and /v1/embeddings ignore id_slot; /v1/responses takes
+        it, but which conversation a Responses body continues is not read here, and
+        llama-server's own prefix match keeps a session's turns on one slot). The
         slots it may take are unsure until corral pins a request to them again: never saved
         under their last conversation's tokens (the file would hold another request's KV
         and supersede that conversation's genuine one)."""
