@@ -33,7 +33,7 @@ from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.choice import CHAT, Record
 from corral.supervisor.prompt_cache.files import TEMP_SUFFIX, kv_per_token
 from corral.supervisor.prompt_cache.saver import Saver
-from corral.supervisor.prompt_cache.store import INDEX, SUFFIX, Store
+from corral.supervisor.prompt_cache.store import INDEX, PENDING, SUFFIX, Store
 from corral.supervisor.statefile import default_state_dir, filesystem_of
 
 from conftest import Corral, CorralFactory, wait_until
@@ -154,7 +154,7 @@ async def _cut_short(tmp_path: Path) -> None:
     # Counted: its whole expected size is reserved, in memory and in the index on disk.
     reserved = store.pending[part]["bytes"]
     assert reserved >= 500 * 1000 + 100
-    on_disk = json.loads((tmp_path / INDEX).read_text())
+    on_disk = json.loads((tmp_path / PENDING).read_text())
     assert [p["file"] for p in on_disk["pending"]] == [part]
     assert _used(store) == reserved <= 4 * MiB
 
@@ -164,7 +164,7 @@ async def _cut_short(tmp_path: Path) -> None:
     child.answer.set()
     await _until(lambda: not (tmp_path / part).exists())
     assert store.pending == {} and _used(store) == 0
-    assert json.loads((tmp_path / INDEX).read_text())["pending"] == []
+    assert json.loads((tmp_path / PENDING).read_text())["pending"] == []
 
     # One that answered 200 after corral gave up is deleted too: never indexed, never lost.
     child.answer.clear()
@@ -236,7 +236,7 @@ def test_a_restart_deletes_the_temporary_files_of_a_daemon_that_died(tmp_path):
     (tmp_path / f"unlisted{TEMP_SUFFIX}").write_bytes(b"x" * 1000)
     store.pending[f"dead{TEMP_SUFFIX}"] = {"file": f"dead{TEMP_SUFFIX}", "bytes": 1000,
                                            "owner": "1:12.0", "since": 0.0}
-    store._write()
+    store._write_pending()
     # A live daemon's save in flight (this process stands for it) is left alone.
     assert store.reserve(f"live{TEMP_SUFFIX}", 1000) is None
     (tmp_path / f"live{TEMP_SUFFIX}").write_bytes(b"x" * 500)
@@ -362,7 +362,8 @@ def test_two_daemons_on_one_state_dir_keep_each_others_saves_across_restarts(sta
     wait_until(lambda: other.log_events("prompt_cache.saved"), timeout=30)
     folder = Path(start_corral.folder) / "state" / "prompt-cache"
     index = json.loads((folder / INDEX).read_text())
-    assert len(index["entries"]) == 2 and index["pending"] == []
+    assert len(index["entries"]) == 2
+    assert json.loads((folder / PENDING).read_text())["pending"] == []
 
     # Both stop (each saves nothing more: its idle save was all), then both start again,
     # in the other order.

@@ -38,6 +38,9 @@ from corral.supervisor.prompt_cache.files import (
 log = structlog.get_logger("corral.prompt_cache")
 
 INDEX = "index.json"
+# The saves in flight (files.py), beside the index in a file of their own: a reservation
+# rewrites a few lines, not the index with every file's tokens.
+PENDING = "pending.json"
 SUFFIX = ".slot"
 _VERSION = 1
 # The head holds the file's header and token list (4 bytes a token): 1 MiB covers 256k tokens.
@@ -136,7 +139,9 @@ class Store:
         # Saves in flight in this dir, this daemon's and others': temporary file name ->
         # {"bytes", "owner", "since"}. Counted against the budget until indexed or deleted.
         self.pending: dict[str, dict[str, Any]] = {}
-        self._seen: tuple[int, int, int] | None = None  # the index file as last read/written
+        # The index and pending files as this store last read or wrote them (inode, size,
+        # mtime): a change is another daemon's.
+        self._seen: dict[str, tuple[int, int, int]] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = DirLock(self.dir)
         with self._lock.held():
@@ -144,26 +149,52 @@ class Store:
 
     # -- the index -----------------------------------------------------------------------------
 
-    def _read(self) -> tuple[list[Entry], dict[str, dict[str, Any]]] | None:
-        """The index on disk: its entries and pending saves (None: unreadable)."""
-        raw: list[dict[str, Any]] = []
-        pending: dict[str, dict[str, Any]] = {}
+    def _read_json(self, name: str) -> Any:
+        """One of the dir's JSON files as written (None: absent); its signature noted."""
         try:
-            path = self.dir / INDEX
-            with open(path, "rb") as f:
+            with open(self.dir / name, "rb") as f:
                 st = os.fstat(f.fileno())
                 data = json.loads(f.read())
-            self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if isinstance(data, dict) and data.get("version") == _VERSION:
-                raw = [e for e in data.get("entries", []) if isinstance(e, dict)]
-                pending = {str(p["file"]): p for p in data.get("pending", [])
-                           if isinstance(p, dict) and isinstance(p.get("file"), str)
-                           and isinstance(p.get("bytes"), int)}
         except FileNotFoundError:
-            pass
+            return None
+        self._seen[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return data
+
+    def _write_json(self, name: str, data: Any) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.dir / name)
+        st = os.stat(self.dir / name)
+        self._seen[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _changed(self, name: str) -> bool:
+        try:
+            st = os.stat(self.dir / name)
+        except FileNotFoundError:
+            return name in self._seen
+        return (st.st_ino, st.st_size, st.st_mtime_ns) != self._seen.get(name)
+
+    def _read_pending(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = self._read_json(PENDING)
+        except (OSError, ValueError) as exc:
+            log.warning("prompt_cache.index_unreadable", file=PENDING, error=str(exc))
+            return {}
+        items = data.get("pending", []) if isinstance(data, dict) else []
+        return {str(p["file"]): p for p in items
+                if isinstance(p, dict) and isinstance(p.get("file"), str)
+                and isinstance(p.get("bytes"), int)}
+
+    def _read(self) -> list[Entry] | None:
+        """The index's entries on disk (None: unreadable)."""
+        raw: list[dict[str, Any]] = []
+        try:
+            data = self._read_json(INDEX)
         except (OSError, ValueError) as exc:
             log.warning("prompt_cache.index_unreadable", dir=str(self.dir), error=str(exc))
             return None
+        if isinstance(data, dict) and data.get("version") == _VERSION:
+            raw = [e for e in data.get("entries", []) if isinstance(e, dict)]
         fields = {f.name for f in dataclasses.fields(Entry)}
         optional = {f.name for f in dataclasses.fields(Entry)
                     if f.default is not dataclasses.MISSING}  # absent from older indexes
@@ -176,15 +207,14 @@ class Store:
             if os.path.basename(entry.file) != entry.file or not entry.file.endswith(SUFFIX):
                 continue
             entries.append(entry)
-        return entries, pending
+        return entries
 
     def _load(self) -> None:
         """Read the index; drop what does not check out (missing, truncated, changed), and
         delete files the index does not name (a save whose index write never happened) and
         temporary files no live daemon is writing (this daemon's earlier run's included)."""
-        found = self._read()
-        entries, pending = found if found is not None else ([], {})
-        for name, item in pending.items():
+        entries = self._read() or []
+        for name, item in self._read_pending().items():
             if alive(item.get("owner")):
                 self.pending[name] = item
             else:
@@ -208,30 +238,26 @@ class Store:
                 path.unlink(missing_ok=True)
         self._fit_budget()  # a lowered budget applies at once
         self._write()
+        self._write_pending()
 
     def _write(self) -> None:
-        tmp = self.dir / f".{INDEX}.tmp"
-        tmp.write_text(json.dumps({"version": _VERSION,
-                                   "entries": [e.as_json() for e in self.entries.values()],
-                                   "pending": list(self.pending.values())}))
-        os.replace(tmp, self.dir / INDEX)
-        st = os.stat(self.dir / INDEX)
-        self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._write_json(INDEX, {"version": _VERSION,
+                                 "entries": [e.as_json() for e in self.entries.values()]})
+
+    def _write_pending(self) -> None:
+        self._write_json(PENDING, {"version": _VERSION, "pending": list(self.pending.values())})
 
     def _sync(self) -> None:
         """Under the lock: what another daemon changed in the index since this one last read
         or wrote it (its saves, drops and pending saves) made this store's own. Files are not
         checked here: a restore checks its file first."""
-        try:
-            st = os.stat(self.dir / INDEX)
-        except FileNotFoundError:
+        if self._changed(PENDING):
+            self.pending = self._read_pending()
+        if not self._changed(INDEX):
             return
-        if (st.st_ino, st.st_size, st.st_mtime_ns) == self._seen:
+        entries = self._read()
+        if entries is None:
             return
-        found = self._read()
-        if found is None:
-            return
-        entries, self.pending = found
         on_disk = {e.file: e for e in entries}
         for name, entry in list(self.entries.items()):
             if name not in on_disk:
@@ -349,7 +375,7 @@ class Store:
             self._fit_budget(extra=nbytes)
             self.pending[name] = {"file": name, "bytes": nbytes, "owner": OWNER,
                                   "since": time.time()}
-            self._write()
+            self._write_pending()
         return None
 
     def commit(self, name: str, entry: Entry) -> None:
@@ -358,8 +384,10 @@ class Store:
         with self._lock.held():
             self._sync()
             os.replace(self.dir / name, self.dir / entry.file)
+            # Its reservation ends as its file is counted (the budget must not see both).
             self.pending.pop(name, None)
             self._add(entry)
+            self._write_pending()
 
     def release(self, name: str) -> None:
         """A save that will not be indexed (failed, cut short, its child gone): its temporary
@@ -368,7 +396,7 @@ class Store:
             self._sync()
             (self.dir / name).unlink(missing_ok=True)
             if self.pending.pop(name, None) is not None:
-                self._write()
+                self._write_pending()
 
     def room_for(self, key: str, tokens: int) -> str | None:
         """None when a file of `tokens` tokens may be written, else why not: larger than the
