@@ -220,8 +220,9 @@ def test_start_timeout_kills_the_child_it_started(start_corral, tiny_models):
 
 
 def test_sigterm_drains_in_flight_then_stops_children(start_corral, tiny_models):
-    # A grace far longer than the generation, even on a busy box.
-    corral = start_corral(tiny_config(tiny_models, shutdown_grace=150))
+    # A grace far longer than the generation, even on a busy box (and a shutdown budget that
+    # holds it: by default the drain gives way to the saves and stops within 50 s).
+    corral = start_corral(tiny_config(tiny_models, shutdown_grace=150, shutdown_timeout=400))
     corral.chat("tiny-a", max_tokens=1)
     pid = corral.model("tiny-a")["pid"]
     result: list[httpx.Response] = []

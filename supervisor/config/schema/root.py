@@ -48,9 +48,10 @@ class Config(BaseModel):
         "unload's and a reload's drain); at a shutdown, less when shutdown_timeout needs the "
         "time for the saves and the children's stops")
     shutdown_timeout: float = Field(
-        50, gt=0, description="seconds from SIGTERM to corral's exit, all of it: drain, "
-        "prompt-cache saves, children's stop_grace and SIGKILL. Keep it below the service "
-        "manager's stop timeout (systemd/corral.service: TimeoutStopSec=60)")
+        50, ge=10, description="seconds from SIGTERM to corral's exit, all of it: drain, "
+        "prompt-cache saves, children's stop_grace and SIGKILL (8 s of it are fixed: tasks, "
+        "a killed child's reaping, the exit). Keep it below the service manager's stop "
+        "timeout (systemd/corral.service: TimeoutStopSec=60)")
     client_write_timeout: float = Field(
         30, gt=0, description="seconds a write to a client may wait for the client to take "
         "bytes; past that the client is cut off, its upstream request dropped and the model's "
