@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -61,6 +62,9 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=32, help="the small limit, MiB")
     parser.add_argument("--ctx", type=int, default=4096)
     args = parser.parse_args()
+    # A SIGTERM (timeout, Ctrl-C's cousin) ends through the `finally` below: the children run
+    # in sessions of their own and would outlive the bench.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     facts = model_facts(args.model)
     bare = estimate(facts, ctx=args.ctx, parallel=1, n_gpu_layers=-1, cache_type_k=None,
