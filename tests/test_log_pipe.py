@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import uvloop
@@ -117,7 +117,7 @@ class _StealingFile(io.FileIO):
     closed, the new pipe takes that number, and a second close would close it (uvloop#763:
     another thread's /proc read got EBADF that way)."""
 
-    stolen: list[int] = []
+    stolen: ClassVar[list[int]] = []
 
     def close(self) -> None:
         read_end, write_end = os.pipe()
