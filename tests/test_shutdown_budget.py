@@ -110,6 +110,8 @@ def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
     # The conversation was saved at the stop and is in the index, before its child went.
     (saved,) = corral.log_events("prompt_cache.saved")
     assert saved["when"] == "stop" and saved["tokens"] > 100
+    (stopping,) = [e for e in corral.log_events("child.stopping") if e["model"] == "smol"]
+    assert saved["timestamp"] <= stopping["timestamp"]  # saved before its SIGTERM
     (entry,) = _index(corral)
     assert entry["file"] == saved["file"] and entry["model"] == "smol"
     # The child that ignored SIGTERM got SIGKILL within the budget; no child is left.

@@ -150,7 +150,8 @@ class Daemon:
         if budget is not None:
             # What the children's stops may take after the drain: the longest save and
             # stop_grace of those running (they stop all at once).
-            save = self.prompt_cache.settings().save_timeout
+            settings = self.prompt_cache.settings()
+            save = settings.save_timeout if settings.enabled else 0.0
             stops = max((i.spec.stop_grace + (save if i.prompt_slots is not None else 0.0)
                          for i in herd.everyone() if i.state is not State.STOPPED), default=0.0)
             deadline = budget.drain_until(grace, stops)
