@@ -398,20 +398,6 @@ class Store:
             if self.pending.pop(name, None) is not None:
                 self._write_pending()
 
-    def room_for(self, key: str, tokens: int) -> str | None:
-        """None when a file of `tokens` tokens may be written, else why not: larger than the
-        whole budget, or than half the disk's free space (as far as earlier saves of this
-        setup tell its size)."""
-        per_token = self._per_token.get(key)
-        if per_token is None:
-            return None
-        size = per_token * tokens
-        if size > self._max_bytes():
-            return f"about {size / (1 << 20):.0f} MiB, over the whole budget"
-        if size * 2 > shutil.disk_usage(self.dir).free:
-            return f"about {size / (1 << 20):.0f} MiB, over half the free disk space"
-        return None
-
     def best(self, key: str, tokens: Sequence[int], min_tokens: int,
              namespace: str = "") -> tuple[Entry, int] | None:
         """The file of this setup and namespace sharing the longest prefix with `tokens` (at
