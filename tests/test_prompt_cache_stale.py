@@ -14,6 +14,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +299,13 @@ def test_every_file_the_child_maps_is_in_the_key(tmp_path: Path) -> None:
         again = asyncio.run(cache.setup(spec, binary))
         assert again.key not in keys
         keys.add(again.key)
+
+
+def test_the_setup_bench_runs_and_prints_its_summary(tiny_models: dict[str, Path]) -> None:
+    bench = Path(__file__).resolve().parent.parent / "bench" / "prompt_cache_setup.py"
+    out = subprocess.run([sys.executable, str(bench), "--model", str(tiny_models["tiny-a"]),
+                          "--rounds", "1"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    for line in ("first spawn, header not parsed yet", "first spawn, header parsed already",
+                 "later spawns (cached)", "re-stat before a restore"):
+        assert line in out, out
