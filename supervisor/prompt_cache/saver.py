@@ -126,7 +126,11 @@ class Saver:
         temporary file is deleted now, and its reservation with it."""
         if not post.cancelled():
             post.exception()  # seen: whatever it was, the file is not wanted
-        self._cache.store.release(part)
+        try:
+            self._cache.store.release(part)
+        except OSError as exc:  # a full disk: the next start deletes it (its owner gone)
+            self._log.warning("prompt_cache.partial_not_deleted", file=part, error=str(exc))
+            return
         self._log.info("prompt_cache.partial_deleted", file=part,
                        reason="a save cut short ended in the child")
 
