@@ -157,6 +157,27 @@ def test_another_keys_slot_is_erased_before_it_is_reused(corral, clients):
     assert len(corral.log_events("prompt_cache.slot_erased")) == erased + 2
 
 
+def test_an_unpinned_request_never_reuses_another_keys_slot(corral, clients):
+    # /v1/messages: llama-server picks the slot itself (the one most like the prompt) and
+    # takes no cache_prompt there; Alice's idle slot is erased before Bob's request goes.
+    alice = _conversation("Alice's fourth secret: the boat leaves at dawn.")
+    _chat(clients[ALICE], alice)
+    resp = clients[BOB].post("/v1/messages", json={
+        "model": "smol", "system": alice[0]["content"], "max_tokens": 4,
+        "messages": [{"role": "user", "content": alice[1]["content"]}]})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage.get("cache_read_input_tokens", 0) == 0 and usage["input_tokens"] > 300, usage
+    # Alice's own unpinned request may reuse her own KV: not checked (her slot was erased
+    # for Bob); Bob's next one finds none of hers either.
+    again = clients[BOB].post("/v1/responses", json={
+        "model": "smol", "instructions": alice[0]["content"], "input": alice[1]["content"],
+        "max_output_tokens": 4})
+    assert again.status_code == 200, again.text
+    details = again.json()["usage"].get("input_tokens_details") or {}
+    assert details.get("cached_tokens", 0) == 0, again.json()["usage"]
+
+
 def test_namespaces_are_salted_per_state_dir(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -284,11 +305,17 @@ async def _changing_hands(tmp_path: Path) -> None:
 
     # An unpinned generation on a child two keys use: sent with cache_prompt false, and the
     # slots it may have taken are erased before a pinned request uses them.
+    # /v1/messages takes neither id_slot nor cache_prompt: Bob's idle slot is erased first
+    # (Alice's own is kept for her).
     child.posts.clear()
     sent = await _send(child, "alice", alice, path="/v1/messages")
-    assert sent["cache_prompt"] is False and "id_slot" not in sent
+    assert sent["cache_prompt"] is False and child.posts == ["/slots/0?action=erase"]
+    assert child.records[0] is None
+    # Where llama-server honours cache_prompt: nothing erased.
+    sent = await _send(child, "alice", alice, path="/v1/responses")
+    assert sent["cache_prompt"] is False and "id_slot" not in sent and len(child.posts) == 1
     sent = await _send(child, "bob", _conversation("Bob's third."))
-    assert child.posts == [f"/slots/{sent['id_slot']}?action=erase"]
+    assert sent["id_slot"] == 0 and child.posts[1:] == ["/slots/0?action=erase"]
 
     # No keys (one namespace): nothing erased, bodies as before.
     plain = _Child(PromptCache(tmp_path / "plain", PromptCacheConfig, EventBus()), parallel=2)

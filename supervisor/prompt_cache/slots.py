@@ -114,14 +114,14 @@ class Slots:
             self._namespaces.add(namespace)
         if path not in (CHAT, COMPLETIONS):
             # No conversation to keep, no id_slot.
-            return self._shared(path, self._astray(lease, path, body))
+            return self._astray(lease, path, await self._shared(path, body, namespace))
         choice = self._choice
         if len(self.records) == 1:
             # One slot: llama-server can use no other, so the body goes as it is (not parsed
             # on the hot path: only a restore or a save reads it).
             if 0 in self._leased:
                 # Runs there once the other is done.
-                return self._shared(path, self._astray(lease, path, body))
+                return self._astray(lease, path, await self._shared(path, body, namespace))
             self._leased[0] = lease
             lease.slot = 0
             record = Record(path, body, used=time.monotonic(), namespace=namespace)
@@ -151,7 +151,7 @@ class Slots:
         slot = choice.choose(path, conv, namespace) if conv is not None else None
         if slot is None:
             # A prompt array, token ids, every slot leased: the child picks the slot.
-            return self._shared(path, self._astray(lease, path, body))
+            return self._astray(lease, path, await self._shared(path, body, namespace))
         self._leased[slot] = lease
         lease.slot = slot
         record = Record(path, parsed, used=time.monotonic(), namespace=namespace)
@@ -198,15 +198,22 @@ class Slots:
         return len(self._namespaces) > 1 \
             and (slot in self.unsure or (held is None and self._strays))
 
-    def _shared(self, path: str, body: Any) -> Any:
-        """An unpinned request: llama-server puts it on the slot whose prompt is most like
-        it, maybe another namespace's; with several namespaces on this child, a generation
-        reuses no cache."""
+    async def _shared(self, path: str, body: Any, namespace: str) -> Any:
+        """An unpinned request: llama-server puts it on the idle slot whose prompt is most
+        like it, maybe another namespace's. With several namespaces on this child, a
+        generation goes with `cache_prompt: false`; where llama-server ignores that field
+        (/v1/messages), the idle slots that may hold another namespace's KV are erased first,
+        so the one it picks holds the caller's own or nothing (theirs is lost to them)."""
         if path not in SLOTLESS:
             self._strays = True
-        if len(self._namespaces) > 1 and path in _GENERATIONS:
-            return _without_reuse(body, None)
-        return body
+        if len(self._namespaces) < 2 or path not in _GENERATIONS:
+            return body
+        if path in _IGNORES_CACHE_PROMPT:
+            for slot, held in enumerate(self.records):
+                if slot not in self._leased and self._foreign(slot, held, namespace) \
+                        and await self._erase(slot) and slot not in self._leased:
+                    self._choice.forget(slot)  # nothing left of it to save or match
+        return _without_reuse(body, None)
 
     async def _erase(self, slot: int) -> bool:
         """Another namespace's KV out of `slot` (`POST /slots/N?action=erase`), within
@@ -368,6 +375,9 @@ class Slots:
 # generations. Embeddings, rerank and the rest are left as sent.
 _GENERATIONS = frozenset({CHAT, COMPLETIONS, "/v1/messages", "/v1/responses", "/completion",
                           "/completions", "/chat/completions", "/infill"})
+# Of those, where llama-server takes neither `id_slot` nor `cache_prompt` (seen on its
+# Anthropic-shaped endpoint: `cache_read_input_tokens` the same with `cache_prompt: false`).
+_IGNORES_CACHE_PROMPT = frozenset({"/v1/messages"})
 # A slot whose KV corral cannot vouch for (a restore or an erase cut off by a hang-up): the
 # next request, whoever's, erases it first. Never saved (too small to be worth a file).
 _UNKNOWN = "\0unknown"
