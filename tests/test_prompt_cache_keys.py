@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from corral.supervisor.config.load import parse_config
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.events import EventBus
@@ -332,3 +333,17 @@ async def _changing_hands(tmp_path: Path) -> None:
     await _send(one, "alice", alice)
     sent = await _send(one, "bob", alice)
     assert one.posts == ["/slots/0?action=erase"] and sent["cache_prompt"] is False
+
+
+def test_an_admin_key_beside_one_user_key_turns_the_ram_cache_off(tiny_models):
+    # Two callers of /v1 (the user key and the admin key), each its own namespace: the
+    # child's RAM cache, shared by every caller, is off by default (auto).
+    def cache_ram(top: str) -> int | None:
+        text = f"{top}models:\n  m:\n    model: {tiny_models['tiny-a']}\n    ctx: 4096\n"
+        value: int | None = parse_config(text).models["m"].cache_ram_mb
+        return value
+
+    assert cache_ram("api_keys: [alice]\nadmin_api_keys: [root]\n") == 0
+    assert cache_ram("api_keys: [alice]\nadmin_api_keys: [alice]\n") is None  # one caller
+    assert cache_ram("api_keys: [alice]\n") is None
+    assert cache_ram("admin_api_keys: [root, other]\n") is None  # /v1 open: one namespace
