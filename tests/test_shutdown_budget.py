@@ -11,9 +11,11 @@ from __future__ import annotations
 import configparser
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from corral.supervisor.daemon.shutdown import EXIT_S, TASKS_S, ShutdownBudget
 from corral.supervisor.process import KILL_WAIT_S
 from corral.supervisor.prompt_cache.choice import CHAT, Choice, Record
 
-from conftest import REPO, Corral, gone, wait_until
+from conftest import REPO, Corral, free_port, gone, port_is_free, wait_until
 
 # A server that is healthy, takes every POST and never answers it, and ignores SIGTERM.
 _HANG = """
@@ -57,9 +59,26 @@ def _index(corral: Corral) -> list[dict[str, Any]]:
     return list(json.loads((folder / "index.json").read_text())["entries"])
 
 
+@pytest.fixture
+def hung_upstream(tmp_path: Path) -> Iterator[str]:
+    """A remote endpoint (not corral's child) that never answers: corral's stop of it ends
+    nothing, so its request is still open when the children are gone."""
+    script = tmp_path / "upstream.py"
+    script.write_text(_HANG)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(port)])
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                   if not port_is_free(port) else False, timeout=15)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.kill()  # it ignores SIGTERM
+        proc.wait()
+
+
 @pytest.mark.expect_log(*_CUT_OFF)
 def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
-        start_corral, smol_model, tmp_path: Path) -> None:
+        start_corral, smol_model, tmp_path: Path, hung_upstream: str) -> None:
     hang = tmp_path / "hang.py"
     hang.write_text(_HANG)
     budget = 20
@@ -73,6 +92,7 @@ def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
             "smol": {"model": str(smol_model), "ctx": 2048, "threads": 2},
             "hang": {"backend": "command", "command": [sys.executable, str(hang), "${PORT}"],
                      "memory_mb": 50, "stop_grace": 8},
+            "far": {"backend": "remote", "url": hung_upstream},
         },
     }
     corral = start_corral(config)
@@ -83,15 +103,18 @@ def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
     assert not _files(corral)  # saved at the stop only (idle_save_after: 0)
     outcome: dict[str, Any] = {}
 
-    def hung() -> None:
+    def hung(model: str) -> None:
         try:
-            outcome["response"] = corral.chat("hang", timeout=120)
+            outcome[model] = corral.chat(model, timeout=120)
         except httpx.HTTPError as exc:
-            outcome["error"] = exc
+            outcome[model] = exc
 
-    asker = threading.Thread(target=hung, daemon=True)
-    asker.start()
-    wait_until(lambda: corral.model("hang")["in_flight"] == 1, timeout=30)
+    askers = [threading.Thread(target=hung, args=(name,), daemon=True)
+              for name in ("hang", "far")]
+    for asker in askers:
+        asker.start()
+    wait_until(lambda: corral.model("hang")["in_flight"] == 1
+               and corral.model("far")["in_flight"] == 1, timeout=30)
     pids = corral.spawned_pids()
     assert len(pids) == 2
 
@@ -117,8 +140,9 @@ def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
     # The child that ignored SIGTERM got SIGKILL within the budget; no child is left.
     assert corral.log_events("child.kill")
     assert all(gone(pid) for pid in pids)
-    asker.join(30)
-    assert not asker.is_alive()
+    for asker in askers:
+        asker.join(30)
+        assert not asker.is_alive()
 
 
 # -- unpinned requests on a multi-slot child ------------------------------------------------------
