@@ -47,7 +47,10 @@ def corral(start_corral_module: CorralFactory, smol_model: Path) -> Corral:
               "api_keys": [ALICE, BOB], "admin_api_keys": [ADMIN],
               "prompt_cache": {"min_tokens": 64},
               "models": {"smol": {"model": str(smol_model), "ctx": 4096, "threads": 2,
-                                  "parallel": 2}}}
+                                  "parallel": 2}},
+              # A group's members are leased in the caller's namespace too.
+              "groups": {"solo": {"models": ["smol"], "type": "parallel",
+                                  "expose_as_model": True}}}
     return start_corral_module(config, api_key=ADMIN)
 
 
@@ -177,6 +180,23 @@ def test_an_unpinned_request_never_reuses_another_keys_slot(corral, clients):
     assert again.status_code == 200, again.text
     details = again.json()["usage"].get("input_tokens_details") or {}
     assert details.get("cached_tokens", 0) == 0, again.json()["usage"]
+
+
+def test_a_groups_members_run_in_the_callers_namespace(corral, clients):
+    corral.http.post("/admin/models/smol/unload").raise_for_status()
+    wait_until(lambda: corral.model("smol")["state"] == "stopped", timeout=30)
+    before = {e["file"] for e in corral.http.get("/admin/prompt-cache").json()["entries"]}
+    for key, secret in ((ALICE, "Alice's group secret."), (BOB, "Bob's group question.")):
+        resp = clients[key].post("/v1/chat/completions", json={
+            "model": "solo", "messages": _conversation(secret), "max_tokens": 4,
+            "temperature": 0})
+        assert resp.status_code == 200, resp.text
+    _unload_and_wait_saved(corral)
+    new = [e for e in corral.http.get("/admin/prompt-cache").json()["entries"]
+           if e["file"] not in before]
+    # One file each, under two namespaces, neither the shared one of a keyless daemon.
+    assert len(new) == 2 and None not in {e["namespace"] for e in new}
+    assert len({e["namespace"] for e in new}) == 2
 
 
 def test_namespaces_are_salted_per_state_dir(tmp_path):
