@@ -42,6 +42,7 @@ from corral.supervisor.instance import State
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.model import Model
 from corral.supervisor.port import Lease, ModelStatus, Reservation
+from corral.supervisor.process import KILL_WAIT_S
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.pull import Puller
 from corral.supervisor.reaper import GroupKeeper
@@ -182,7 +183,14 @@ class Daemon:
                                for i in herd.everyone() if i.state is not State.STOPPED),
                              return_exceptions=True)
         if self._lender is not None:
-            await self._lender.close()
+            try:
+                # Its rpc-servers, one after the other: within the budget, or the keeper
+                # (closed below) kills what is left of them.
+                async with asyncio.timeout_at(None if kill_by is None
+                                              else kill_by + KILL_WAIT_S):
+                    await self._lender.close()
+            except TimeoutError:
+                log.warning("daemon.loans_cut_short", note="the keeper kills their groups")
         self._registry.clear()
         self._keeper.close()
         if self._session:
