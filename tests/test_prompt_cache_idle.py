@@ -263,6 +263,7 @@ class _FakeSlots:
                               binary=None, start_timeout=10, max_queue=1, queue_timeout=1,
                               stop_grace=1, prompt_cache=True)
         self.records: list[Record | None] = [None, None]
+        self.unsure: set[int] = set()  # slots an unpinned request may have taken (none here)
         self.gate = asyncio.Event()
         self.listed = asyncio.Event()
         self.posts: list[str] = []
