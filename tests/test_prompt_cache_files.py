@@ -334,6 +334,24 @@ async def _until(predicate: Any, timeout: float = 5) -> None:
             await asyncio.sleep(0.005)
 
 
+def test_a_daemon_skips_a_first_save_over_its_budget_before_the_child_writes(start_corral,
+                                                                             smol_model):
+    """The same on a daemon: a conversation of ~800 tokens of SmolLM2 is ~18 MiB, over a
+    budget of 8 MiB, and no file of the setup exists yet: nothing is written."""
+    config = _config(smol_model)
+    config["prompt_cache"]["max_mb"] = 8
+    corral = start_corral(config)
+    answer, _ = _chat(corral, "smol", _conversation("the valley"))
+    assert _cold(answer)
+    (skipped,) = wait_until(lambda: corral.log_events("prompt_cache.save_skipped"), timeout=30)
+    assert "over the whole budget" in skipped["reason"]
+    folder = Path(start_corral.folder) / "state" / "prompt-cache"
+    assert not list(folder.glob("*" + SUFFIX)) and not list(folder.glob("*" + TEMP_SUFFIX))
+    status = corral.http.get("/admin/prompt-cache").json()
+    assert status["files"] == 0 and status["pending_bytes"] == 0
+    assert not corral.log_events("prompt_cache.saved")
+
+
 # -- two daemons on one state dir ------------------------------------------------------------------
 
 
