@@ -9,7 +9,12 @@ prefix of its own tokens exists, that file is restored into the slot first, and 
 `timings.cache_n` then tells whether the child reused it (`verify`).
 
 Neither step can make an answer wrong: llama-server compares the restored tokens with the new
-prompt and reuses only their common prefix. Both are bounded in time and skipped on any error."""
+prompt and reuses only their common prefix. Both are bounded in time and skipped on any error.
+
+Every request is its caller's (the API key's namespace, namespace.py): it is restored only from
+its own namespace's files, matched only to slots its own namespace used last, and a slot that
+may hold another namespace's KV is erased in the child before it serves it (docs/memory.md,
+"Per key")."""
 
 from __future__ import annotations
 
