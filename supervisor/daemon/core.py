@@ -169,14 +169,12 @@ class Daemon:
                 break
             await herd.changed.wait(remaining)  # every lease given back fires it
         # The models' operations first (none may start a child after this), then the
-        # daemon's own tasks.
+        # daemon's own tasks and the pulls: TASKS_S for all of them (each ends at its next
+        # await; one that does not is logged and left).
+        tasks_end = loop.time() + TASKS_S
         await asyncio.gather(*(m.tasks.close(TASKS_S) for m in herd.models.values()))
-        await self.tasks.close(TASKS_S)
-        try:
-            # Cancelled pulls close their files at once; their parts stay, to be resumed.
-            await asyncio.wait_for(self.pulls.close(), TASKS_S)
-        except TimeoutError:
-            log.warning("daemon.pulls_slow_to_end", timeout=TASKS_S)
+        left = max(0.1, tasks_end - loop.time())
+        await asyncio.gather(self.tasks.close(left), self._end_pulls(left))
         # Stops are never cancelled: each ends with its process group gone. All at once, so
         # every child's saves run side by side, each before its child's SIGTERM.
         await asyncio.gather(*(i.stop("daemon shutdown", cause="shutdown", kill_by=kill_by)
@@ -198,6 +196,13 @@ class Daemon:
         self.events.publish("stopped")
         self.events.close()
         log.info("daemon.stopped")
+
+    async def _end_pulls(self, timeout: float) -> None:
+        try:
+            # Cancelled pulls close their files at once; their parts stay, to be resumed.
+            await asyncio.wait_for(self.pulls.close(), timeout)
+        except TimeoutError:
+            log.warning("daemon.pulls_slow_to_end", timeout=round(timeout, 3))
 
     def _http(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Daemon.start() was not awaited"
