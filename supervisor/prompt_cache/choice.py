@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import heapq
 import json
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterable
 from typing import Any
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -163,6 +163,10 @@ class Choice:
         # (llama-server chose its slot): what they hold is unknown. Sure again once corral
         # pins a request to them (`take`).
         self.unsure: set[int] = set()
+        # Each slot's namespaces whose KV it may hold: its last pinned request's, and those of
+        # unpinned requests that llama-server may have put there since. Another namespace's
+        # request may use it only once it is erased (Slots.pin).
+        self.maybe: list[set[str]] = [set() for _ in range(n)]
         self._empty = collections.deque(range(n))
         self._wide: dict[Hashable, set[int]] = {}
         self._narrow: dict[Hashable, set[int]] = {}
@@ -221,6 +225,7 @@ class Choice:
         when the caller has it."""
         self.leased.add(slot)
         self.unsure.discard(slot)  # this request replaces whatever the slot held
+        self.maybe[slot] = {record.namespace}
         if self._empty and self._empty[0] == slot:
             self._empty.popleft()
         elif slot in self._empty:
@@ -236,11 +241,12 @@ class Choice:
             self._narrow.setdefault(keys[1], set()).add(slot)
 
     def forget(self, slot: int) -> None:
-        """`slot` holds nothing corral knows of (its request never reached the child): empty
-        again, out of the indexes. Still leased until `release`."""
+        """`slot` holds nothing (erased in the child): empty again, out of the indexes. Still
+        leased until `release`, if it was."""
         self._unindex(slot)
         self.records[slot] = None
         self.unsure.discard(slot)
+        self.maybe[slot] = set()
         self._keys[slot] = None
         if slot not in self._empty:
             self._empty.appendleft(slot)
@@ -255,11 +261,28 @@ class Choice:
                     if not group:
                         del index[key]
 
-    def doubt(self) -> None:
-        """A request went to the child without an id_slot: any slot not leased now may be the
-        one llama-server gives it (an empty one holds nothing to lose)."""
-        self.unsure.update(i for i, r in enumerate(self.records)
-                           if r is not None and i not in self.leased)
+    def doubt(self, namespace: str = "") -> None:
+        """A request of `namespace` went to the child without an id_slot: any slot not leased
+        now may be the one llama-server gives it (an empty one holds nothing to lose, but may
+        hold its KV afterwards)."""
+        leased, maybe = self.leased, self.maybe
+        for i, r in enumerate(self.records):
+            if i not in leased:
+                maybe[i].add(namespace)
+                if r is not None:
+                    self.unsure.add(i)
+
+    def suspect(self, slot: int, namespaces: Iterable[str]) -> None:
+        """`slot` was given back while unpinned requests of `namespaces` waited: llama-server
+        may give it to one of them next."""
+        self.maybe[slot].update(namespaces)
+        if self.records[slot] is not None:
+            self.unsure.add(slot)
+
+    def foreign(self, slot: int, namespace: str) -> bool:
+        """Whether `slot` may hold KV of a namespace other than `namespace`."""
+        maybe = self.maybe[slot]
+        return bool(maybe) and (len(maybe) > 1 or namespace not in maybe)
 
     def release(self, slot: int) -> None:
         self.leased.discard(slot)

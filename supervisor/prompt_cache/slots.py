@@ -69,10 +69,9 @@ class Slots:
         self._choice = Choice(spec.parallel)
         self.records = self._choice.records  # each slot's last request (None: empty)
         self.unsure = self._choice.unsure  # slots an unpinned request may have taken
-        self._unpinned: set[Lease] = set()  # such requests in flight
+        self._unpinned: dict[Lease, str] = {}  # such requests in flight, and their namespaces
         self._leased: dict[int, Lease] = {}
         self._namespaces: set[str] = set()  # whose requests this child has served
-        self._strays = False  # whether any request went to it unpinned (on a slot it chose)
         self._log = log.bind(model=model, instance=instance)
         self.saver = Saver(self, cache, busy, self._log)
 
@@ -119,31 +118,24 @@ class Slots:
             self._namespaces.add(namespace)
         if path not in (CHAT, COMPLETIONS):
             # No conversation to keep, no id_slot.
-            return self._astray(lease, path, await self._shared(path, body, namespace))
+            return self._astray(lease, path, await self._shared(path, body, namespace),
+                                namespace)
         choice = self._choice
         if len(self.records) == 1:
             # One slot: llama-server can use no other, so the body goes as it is (not parsed
             # on the hot path: only a restore or a save reads it).
             if 0 in self._leased:
                 # Runs there once the other is done.
-                return self._astray(lease, path, await self._shared(path, body, namespace))
+                return self._astray(lease, path, await self._shared(path, body, namespace),
+                                    namespace)
             self._leased[0] = lease
             lease.slot = 0
             record = Record(path, body, used=time.monotonic(), namespace=namespace)
-            held = self.records[0]
-            try:
-                if self._foreign(0, held, namespace):
-                    if not await self._erase(0):
-                        choice.take(0, record)
-                        return _without_reuse(body, None)
-                    held = None
-                if held is None or 0 in self.unsure:
-                    await self._restore(lease, 0, record)
-            except BaseException:
-                if len(self._namespaces) > 1:
-                    choice.take(0, _unknown(path))  # its KV may be anyone's now
-                raise
+            foreign = choice.foreign(0, namespace)
+            empty = self.records[0] is None or 0 in self.unsure
             choice.take(0, record)
+            if (empty or foreign) and not await self._ready(lease, 0, record, foreign):
+                return _without_reuse(body, None)
             return body
         if parsed is None:
             try:
@@ -160,27 +152,12 @@ class Slots:
         self._leased[slot] = lease
         lease.slot = slot
         record = Record(path, parsed, used=time.monotonic(), namespace=namespace)
-        held = self.records[slot]
-        # Another namespace's slot (the least recently used, none of its own free): its KV
-        # is erased in the child first, or this request would reuse the prefix it shares
-        # with it (a faster answer, and `timings.cache_n` would say how much).
-        foreign = self._foreign(slot, held, namespace)
+        foreign = choice.foreign(slot, namespace)
         # An unsure slot may hold another request's KV: restored like an empty one.
-        empty = held is None or slot in self.unsure
+        empty = self.records[slot] is None or slot in self.unsure
         choice.take(slot, record, conv)  # leased: no other request gets it while it restores
-        if empty or foreign:
-            try:
-                if foreign and not await self._erase(slot):
-                    return _without_reuse(body, parsed, slot)
-                await self._restore(lease, slot, record)
-            except BaseException:
-                # Cancelled (the client hung up): the request never reaches the child, so
-                # the slot must not be saved later under its tokens.
-                if len(self._namespaces) > 1:
-                    choice.take(slot, _unknown(path))  # its KV may be anyone's now
-                else:
-                    choice.forget(slot)
-                raise
+        if (empty or foreign) and not await self._ready(lease, slot, record, foreign):
+            return _without_reuse(body, parsed, slot)
         if not isinstance(body, (bytes, bytearray)):
             return {**parsed, "id_slot": slot}
         if "id_slot" not in parsed:
@@ -194,14 +171,24 @@ class Slots:
         return json.dumps({**parsed, "id_slot": slot}, ensure_ascii=False,
                           separators=(",", ":")).encode()
 
-    def _foreign(self, slot: int, held: Record | None, namespace: str) -> bool:
-        """Whether `slot`'s KV may be another namespace's: its last request was, or, with
-        several namespaces on this child, an unpinned request may have run there since (a
-        slot corral has not used yet included: llama-server may have given it one)."""
-        if held is not None and held.namespace != namespace:
-            return True
-        return len(self._namespaces) > 1 \
-            and (slot in self.unsure or (held is None and self._strays))
+    async def _ready(self, lease: Lease, slot: int, record: Record, foreign: bool) -> bool:
+        """The taken `slot` made ready for `record`: erased first when it may hold another
+        namespace's KV (`foreign`), or this request would reuse the prefix it shares with it
+        (a faster answer, and `timings.cache_n` would say how much); then the caller's own
+        save restored into it, if one matches. False: the erase failed (the request must go
+        with `cache_prompt: false`)."""
+        try:
+            if foreign and not await self._erase(slot):
+                return False
+            await self._restore(lease, slot, record)
+        except BaseException:
+            # Cancelled (the client hung up): the request never reaches the child, but the
+            # erase or the restore may have: the slot's KV is nobody's the next request can
+            # trust (erased before any reuse), and never saved under this request's tokens.
+            self._choice.take(slot, _unknown(record.path))
+            self.unsure.add(slot)
+            raise
+        return True
 
     async def _shared(self, path: str, body: Any, namespace: str) -> Any:
         """An unpinned request: llama-server puts it on the idle slot whose prompt is most
@@ -209,13 +196,11 @@ class Slots:
         generation goes with `cache_prompt: false`; where llama-server ignores that field
         (/v1/messages), the idle slots that may hold another namespace's KV are erased first,
         so the one it picks holds the caller's own or nothing (theirs is lost to them)."""
-        if path not in SLOTLESS:
-            self._strays = True
         if len(self._namespaces) < 2 or path not in _GENERATIONS:
             return body
         if path in _IGNORES_CACHE_PROMPT:
-            for slot, held in enumerate(self.records):
-                if slot not in self._leased and self._foreign(slot, held, namespace) \
+            for slot in range(len(self.records)):
+                if slot not in self._leased and self._choice.foreign(slot, namespace) \
                         and await self._erase(slot) and slot not in self._leased:
                     self._choice.forget(slot)  # nothing left of it to save or match
         return _without_reuse(body, None)
@@ -240,15 +225,17 @@ class Slots:
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
             self._choice.release(lease.slot)
+            if self._unpinned:
+                # A request waiting for any slot (llama-server's queue) gets this one next.
+                self._choice.suspect(lease.slot, self._unpinned.values())
         elif lease in self._unpinned:
-            # Done on a slot of the child's choosing: any slot given back while it waited
-            # may be that one.
-            self._unpinned.discard(lease)
-            self._choice.doubt()
+            # Done on a slot of the child's choosing (any given back while it waited was
+            # suspected then): what it left there is its namespace's.
+            self._choice.doubt(self._unpinned.pop(lease))
         # Any request's end (one that had no slot too: it put the debounce off all the same).
         self.saver.turn_ended()
 
-    def _astray(self, lease: Lease, path: str, body: Any) -> Any:
+    def _astray(self, lease: Lease, path: str, body: Any, namespace: str) -> Any:
         """`body` goes to the child without an id_slot: llama-server gives it whichever idle
         slot it likes (/v1/messages and /v1/embeddings ignore id_slot; /v1/responses takes
         it, but which conversation a Responses body continues is not read here, and
@@ -257,8 +244,8 @@ class Slots:
         under their last conversation's tokens (the file would hold another request's KV
         and supersede that conversation's genuine one)."""
         if path not in SLOTLESS:
-            self._choice.doubt()
-            self._unpinned.add(lease)
+            self._choice.doubt(namespace)
+            self._unpinned[lease] = namespace
         return body
 
     def close(self) -> None:
