@@ -40,6 +40,7 @@ from corral.supervisor.statefile import (
     default_state_dir,
     filesystem_of,
     move_old_prompt_cache,
+    private_dir,
 )
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -356,14 +357,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _state_dir(args: argparse.Namespace, loaded: LoadedConfig) -> Path:
     """--state-dir, else the config's state_dir, else the default on disk. The default's
-    prompt cache comes from the old default (the runtime dir) if it was there; a default
-    that is in RAM after all (XDG_STATE_HOME or the home on a tmpfs) is named in a warning.
-    A state_dir the user gave is theirs, tmpfs or not."""
+    prompt cache comes from the old default (the runtime dir) if it was there and no
+    prompt_cache.dir is set (the cache is not read from the state dir then); a default that
+    is in RAM after all (XDG_STATE_HOME or the home on a tmpfs) is named in a warning. A
+    state_dir the user gave is theirs, tmpfs or not. One corral makes is 0700 (the prompt
+    cache in it holds every key's conversations); the default is made 0700 if it was not."""
     explicit: Path | None = args.state_dir or loaded.state_dir
     if explicit is not None:
+        private_dir(explicit, existing=False)
         return explicit
     state_dir = default_state_dir()
-    moved = move_old_prompt_cache(state_dir)
+    private_dir(state_dir)
+    moved = move_old_prompt_cache(state_dir) if loaded.prompt_cache_dir is None else None
     if moved is not None:
         log.info("corral.prompt_cache_moved", source=str(moved),
                  target=str(state_dir / "prompt-cache"))

@@ -42,6 +42,30 @@ def old_default_state_dir() -> Path | None:
     return Path(runtime) / "corral" if runtime else None
 
 
+def private_dir(folder: Path, *, existing: bool = True) -> None:
+    """`folder` made (with its missing parents) and 0700 whatever the umask: its files are
+    conversations (token ids, decodable) and their KV, readable by no other local user.
+    `existing`: one that was already there is made 0700 too (corral's own dir)."""
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    # mkdir's mode is cut by the umask, never widened past it: chmod says it whole.
+    if (made or existing) and folder.stat().st_mode & 0o077:
+        os.chmod(folder, 0o700)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """`data` as the whole of `path`, mode 0600 from its creation (never readable by others,
+    not even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file left by an earlier version keeps its mode otherwise
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def filesystem_of(path: Path) -> tuple[str, str] | None:
     """(mount point, filesystem type) of the mount that holds `path` (or would: its nearest
     existing parent), from the mount table; None when it cannot tell."""
@@ -74,7 +98,9 @@ def move_old_prompt_cache(state_dir: Path) -> Path | None:
     try:
         if os.path.realpath(source) == os.path.realpath(target):
             return None
-        target.mkdir(parents=True, exist_ok=True)
+        log.info("statefile.prompt_cache_moving", source=str(source), target=str(target),
+                 hint="a copy from the runtime dir (RAM) to disk: the start waits for it")
+        private_dir(target)
         for path in sorted(source.iterdir(), key=lambda p: p.name == "index.json"):
             if path.is_file() and (path.suffix == ".slot" or path.name == "index.json"):
                 shutil.move(path, target / path.name)
@@ -96,9 +122,9 @@ class ChildRegistry:
                 records.append(ChildRecord(model, pid, psutil.Process(pid).create_time()))
             except psutil.NoSuchProcess:
                 continue
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, existing=False)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([asdict(r) for r in records]))
+        write_private(tmp, json.dumps([asdict(r) for r in records]).encode())
         tmp.replace(self.path)
 
     def reap_leftovers(self) -> list[int]:

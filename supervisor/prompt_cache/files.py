@@ -61,7 +61,7 @@ class DirLock:
     The descriptor is close-on-exec: a child that outlives corral never holds it."""
 
     def __init__(self, folder: Path):
-        self._fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._depth = 0
 
     @contextlib.contextmanager

@@ -10,7 +10,14 @@ place and indexed in one step under the lock, or deleted.
 
 A file is trusted only when its size and fingerprint (hash of its head and tail) are what the
 index says: llama-server aborts (SIGABRT, the child dies) when it restores a truncated file,
-so a file that changed on disk is deleted, never handed to a child."""
+so a file that changed on disk is deleted, never handed to a child.
+
+A restore does not write the index (it is on its request's path): a file's last_used reaches
+disk with this daemon's next write, so another daemon's budget may evict a file this one
+restored a moment ago as if it were older (it only orders evictions; nothing is lost).
+
+The conversations are private: the dir is 0700 and every file corral writes in it 0600; the
+slot files llama-server writes are made 0600 as they are indexed."""
 
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from corral.supervisor.prompt_cache.files import (
     alive,
     expected_bytes,
 )
+from corral.supervisor.statefile import private_dir, write_private
 
 log = structlog.get_logger("corral.prompt_cache")
 
@@ -179,10 +187,9 @@ class Store:
         # mtime): a change is another daemon's.
         self._seen: dict[str, tuple[int, int, int]] = {}
         self._packed: dict[str, str] = {}  # each indexed file's tokens as the index has them
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self._lock = DirLock(self.dir)
-        with self._lock.held():
-            self._load()
+        self._load()
 
     # -- the index -----------------------------------------------------------------------------
 
@@ -199,7 +206,7 @@ class Store:
 
     def _write_json(self, name: str, data: Any) -> None:
         tmp = self.dir / f".{name}.tmp"
-        tmp.write_text(json.dumps(data))
+        write_private(tmp, json.dumps(data).encode())
         os.replace(tmp, self.dir / name)
         st = os.stat(self.dir / name)
         self._seen[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -253,7 +260,16 @@ class Store:
     def _load(self) -> None:
         """Read the index; drop what does not check out (missing, truncated, changed), and
         delete files the index does not name (a save whose index write never happened) and
-        temporary files no live daemon is writing (this daemon's earlier run's included)."""
+        temporary files no live daemon is writing (this daemon's earlier run's included).
+
+        Every file is fingerprinted (1 MiB read each) before the lock is taken: another
+        daemon on the dir blocks on the lock in its event loop (a restore's drop, a save's
+        reserve), so it is held only to re-read the index, apply the results and write."""
+        checked = {e.file: (e.bytes, e.fingerprint, self.check(e)) for e in self._read() or []}
+        with self._lock.held():
+            self._load_locked(checked)
+
+    def _load_locked(self, checked: dict[str, tuple[int, str, str | None]]) -> None:
         entries = self._read() or []
         for name, item in self._read_pending().items():
             if alive(item.get("owner")):
@@ -262,9 +278,13 @@ class Store:
                 log.info("prompt_cache.partial_deleted", file=name,
                          reason="its daemon is gone")
         for entry in entries:
-            problem = self.check(entry)
+            seen = checked.get(entry.file)
+            # An entry another daemon indexed (or re-saved) since the scan: checked now.
+            problem = seen[2] if seen is not None and seen[:2] == (entry.bytes,
+                                                                  entry.fingerprint) \
+                else self.check(entry)
             if problem is not None:
-                self.drop(entry, problem)
+                self._drop(entry, problem)
                 continue
             self._remember(entry)
             self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
@@ -299,6 +319,15 @@ class Store:
         checked here: a restore checks its file first."""
         if self._changed(PENDING):
             self.pending = self._read_pending()
+        # A daemon killed mid-save never releases its reservation: left counted, its bytes
+        # would evict real files and refuse saves for as long as this daemon runs.
+        dead = [name for name, item in self.pending.items() if not alive(item.get("owner"))]
+        for name in dead:
+            del self.pending[name]
+            (self.dir / name).unlink(missing_ok=True)
+            log.info("prompt_cache.partial_deleted", file=name, reason="its daemon is gone")
+        if dead:
+            self._write_pending()
         if not self._changed(INDEX):
             return
         entries = self._read()
@@ -334,9 +363,16 @@ class Store:
         """Forget a file and delete it."""
         with self._lock.held():
             self._sync()
-            self._forget(entry)
-            (self.dir / entry.file).unlink(missing_ok=True)
+            self._drop(entry, reason)
             self._write()
+
+    def _drop(self, entry: Entry, reason: str) -> None:
+        """drop() within a batch (a start's checks, a save's supersedes, the budget): the
+        caller holds the lock and writes the index once at the end. A write per drop would
+        cost k+1 writes, and a kill mid-batch would leave an index naming only the files
+        kept so far (the next start deleting the rest as orphans)."""
+        self._forget(entry)
+        (self.dir / entry.file).unlink(missing_ok=True)
         self.counters.dropped += 1
         log.info("prompt_cache.dropped", file=entry.file, model=entry.model, reason=reason)
         if self._on_drop is not None:
@@ -353,7 +389,7 @@ class Store:
         for old in list(self._by_key.get(entry.scope, {}).values()):
             if len(old.tokens) <= len(entry.tokens) \
                     and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
-                self.drop(old, "superseded by a longer save of the same conversation")
+                self._drop(old, "superseded by a longer save of the same conversation")
         self._remember(entry)
         self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
         self.counters.saves += 1
@@ -379,17 +415,21 @@ class Store:
         if not of_key:
             del self._by_key[entry.scope], self._heads[entry.scope]
 
-    def _fit_budget(self, extra: int = 0) -> None:
+    def _fit_budget(self, extra: int = 0) -> int:
         """Files and saves in flight (with `extra` more bytes) within the budget: the least
-        recently used files deleted first."""
+        recently used files deleted first (the index not written: the caller's to do). How
+        many were deleted."""
         budget = self._max_bytes()
         by_age = sorted(self.entries.values(), key=lambda e: e.last_used)
         total = sum(e.bytes for e in by_age) + self.pending_bytes() + extra
+        dropped = 0
         for entry in by_age:
             if total <= budget:
                 break
             total -= entry.bytes
-            self.drop(entry, f"disk budget ({budget // (1 << 20)} MiB)")
+            self._drop(entry, f"disk budget ({budget // (1 << 20)} MiB)")
+            dropped += 1
+        return dropped
 
     def pending_bytes(self) -> int:
         return sum(int(p["bytes"]) for p in self.pending.values())
@@ -419,7 +459,8 @@ class Store:
                 # Deleting every file would not make room: saves in flight hold the rest.
                 return (f"about {nbytes / (1 << 20):.0f} MiB, and saves in flight take "
                         f"{in_flight / (1 << 20):.0f} MiB of the budget")
-            self._fit_budget(extra=nbytes)
+            if self._fit_budget(extra=nbytes):
+                self._write()
             self.pending[name] = {"file": name, "bytes": nbytes, "owner": OWNER,
                                   "since": time.time()}
             self._write_pending()
@@ -430,6 +471,9 @@ class Store:
         in one step (no other daemon ever sees a finished file the index does not name)."""
         with self._lock.held():
             self._sync()
+            # llama-server created it under its umask (0644 as a rule): the conversation is
+            # made private before any other daemon can see it indexed.
+            os.chmod(self.dir / name, 0o600)
             os.replace(self.dir / name, self.dir / entry.file)
             # Its reservation ends as its file is counted (the budget must not see both).
             self.pending.pop(name, None)
