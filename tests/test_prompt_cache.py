@@ -250,6 +250,10 @@ def test_cache_key_changes_with_what_makes_a_kv_cache_compatible(tmp_path, smol_
     asyncio.run(_cache_keys(tmp_path, smol_model))
 
 
+async def _key(cache: PromptCache, spec: ModelSpec, binary: str) -> str:
+    return (await cache.setup(spec, binary)).key
+
+
 async def _cache_keys(tmp_path: Path, smol_model: Path) -> None:
     cache = PromptCache(tmp_path, PromptCacheConfig, EventBus())
     binary = find_executable(None, ("llama-server",))
@@ -257,16 +261,16 @@ async def _cache_keys(tmp_path: Path, smol_model: Path) -> None:
                      ttl=0, ctx=2048, parallel=1, n_gpu_layers=0, threads=1, cache_type_k=None,
                      cache_type_v=None, args=(), env={}, binary=None, start_timeout=10,
                      max_queue=1, queue_timeout=1, stop_grace=1)
-    base = await cache.cache_key(spec, binary)
-    assert base == await cache.cache_key(spec, binary)
+    base = await _key(cache, spec, binary)
+    assert base == await _key(cache, spec, binary)
     for change in ({"cache_type_k": "q8_0"}, {"cache_type_v": "q8_0"}, {"ctx": 4096},
                    {"parallel": 2}, {"args": ("--flash-attn", "on")}):
-        assert await cache.cache_key(dataclasses.replace(spec, **change), binary) != base, change
+        assert await _key(cache, dataclasses.replace(spec, **change), binary) != base, change
     # Another model file, or the same path rewritten (size or mtime).
     copy = tmp_path / "model.gguf"
     copy.write_bytes(smol_model.read_bytes())
     other = dataclasses.replace(spec, model_path=copy)
-    before = await cache.cache_key(other, binary)
+    before = await _key(cache, other, binary)
     assert before != base
     os.utime(copy, ns=(0, 0))
-    assert await cache.cache_key(other, binary) != before
+    assert await _key(cache, other, binary) != before

@@ -309,3 +309,33 @@ def test_the_setup_bench_runs_and_prints_its_summary(tiny_models: dict[str, Path
     for line in ("first spawn, header not parsed yet", "first spawn, header parsed already",
                  "later spawns (cached)", "re-stat before a restore"):
         assert line in out, out
+
+
+def test_a_file_replaced_between_the_hash_and_the_childs_open_gives_it_no_prompt_cache(
+        tmp_path: Path) -> None:
+    """The key is hashed just before the spawn; a file renamed into place in between is what
+    the child loads. At ready its files are stat'ed once more (Launch.current_setup): changed,
+    the child gets no prompt cache at all (its saves would file the new weights' KV under
+    the old file's key, which a rollback of the file would restore)."""
+    import types
+
+    import structlog.testing
+
+    from corral.supervisor.instance.launch import Launch
+    from corral.supervisor.prompt_cache.identity import FileId, Setup
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF old")
+    st = model.stat()
+    setup = Setup("k", (FileId(str(model), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                               "d"),))
+    launch = types.SimpleNamespace(setup=setup, _log=structlog.get_logger("test"))
+    assert Launch.current_setup(launch) is setup  # type: ignore[arg-type]
+    (tmp_path / "new").write_bytes(b"GGUF new weights")
+    os.replace(tmp_path / "new", model)
+    with structlog.testing.capture_logs() as logs:
+        assert Launch.current_setup(launch) is None  # type: ignore[arg-type]
+    assert [e["file"] for e in logs if e["event"] == "prompt_cache.model_replaced_at_start"] \
+        == [str(model)]
+    launch.setup = None
+    assert Launch.current_setup(launch) is None  # type: ignore[arg-type]

@@ -88,9 +88,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     # llama-server's RAM prompt cache is searched by prompt for every caller of a child: with
     # several user keys it would hand one key's cached prefix to another, so auto means off.
     # An admin key reaches /v1 as well (when api_keys are set), as a caller of its own.
-    shared_keys = len({k.get_secret_value() for k in (*config.api_keys,
-                                                       *config.admin_api_keys)}) > 1 \
-        if config.api_keys else False
+    shared_keys = config.several_callers()
 
     def cache_ram(m: ModelConfig) -> int | None:
         value = _inherit(m.cache_ram_mb, d.cache_ram_mb)

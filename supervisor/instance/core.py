@@ -521,9 +521,9 @@ class Instance:
         self.health = Health()
         self._dead_pid = None
         spec = self.started_with
-        if cache is not None and launch.setup is not None:  # the key taken at its spawn
+        if cache is not None and (setup := launch.current_setup()) is not None:
             self.prompt_slots = cache.slots(
-                model=self.model, instance=self.name, spec=spec, setup=launch.setup,
+                model=self.model, instance=self.name, spec=spec, setup=setup,
                 base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
                 session=session, busy=lambda: self.in_flight > 0)
         self._swap(State.STARTING, State.READY)

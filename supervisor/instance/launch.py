@@ -214,6 +214,21 @@ class Launch:
                         ms=round((time.monotonic() - began) * 1000, 1))
         return setup
 
+    def current_setup(self) -> Setup | None:
+        """The setup taken at the spawn, if the child's files are still the ones it hashed
+        (one stat each; the child has opened them by the time it is ready). A file renamed
+        into place between the hash and the child's open would otherwise file this child's
+        KV, of the new weights, under the old file's key, which a rollback of the file (its
+        inode back, with its size and mtime) would restore: no prompt cache for this child."""
+        setup = self.setup
+        if setup is None:
+            return None
+        changed = setup.replaced()
+        if changed is not None:
+            self._log.warning("prompt_cache.model_replaced_at_start", file=changed.path)
+            return None
+        return setup
+
     async def _deploy(self, port: int) -> Deployment:
         """Start the model's RPC workers and plan its split; the head's argv takes both.
         On any failure (cancellation included) no worker is left running."""

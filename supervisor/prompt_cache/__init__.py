@@ -100,9 +100,6 @@ class PromptCache:
         key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
         return Setup(key, files)
 
-    async def cache_key(self, spec: ModelSpec, binary: str) -> str:
-        return (await self.setup(spec, binary)).key
-
     def slots(self, *, model: str, instance: str, spec: ModelSpec, setup: Setup,
               base_url: str, headers: dict[str, str], session: aiohttp.ClientSession,
               busy: Callable[[], bool] = lambda: False) -> Slots:

@@ -24,8 +24,9 @@ def cache_ram_warnings(loaded: LoadedConfig) -> list[ConfigIssue]:
 
 
 def _shared_by_keys(loaded: LoadedConfig) -> list[ConfigIssue]:
-    """Auto is 0 with several api_keys; a number set there gives that isolation up."""
-    if len(loaded.config.api_keys) <= 1:
+    """Auto is 0 with several callers (Config.several_callers); a number set there gives
+    that isolation up."""
+    if not loaded.config.several_callers():
         return []
     out = []
     for name, spec in loaded.models.items():

@@ -55,4 +55,5 @@ class Defaults(BaseModel):
         "auto", description="llama-server's own prompt cache in RAM (--cache-ram, MiB; 0: "
         "off, -1: no limit), counted in each child's RAM estimate. auto: 1/16 of the RAM "
         "budget, at most 2048; 0 where the model's own RAM estimate plus that passes half the "
-        "budget, or with more than one of api_keys (the cache is shared by every caller)")
+        "budget, or when more than one key reaches /v1 (api_keys and admin_api_keys: the "
+        "cache is shared by every caller)")

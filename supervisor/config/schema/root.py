@@ -77,6 +77,15 @@ class Config(BaseModel):
         split_listen(value)
         return value
 
+    def several_callers(self) -> bool:
+        """Whether more than one key reaches /v1 (the api_keys, and the admin keys beside
+        them): each is a caller of its own, whose prompts another must not reuse. What a child
+        shares with every caller (llama-server's RAM cache) is off by default then."""
+        if not self.api_keys:
+            return False  # no keys: /v1 is open, one caller as far as corral can tell
+        keys = {k.get_secret_value() for k in (*self.api_keys, *self.admin_api_keys)}
+        return len(keys) > 1
+
 
 def split_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
