@@ -148,7 +148,8 @@ class Slots:
         slot = choice.choose(path, conv, namespace) if conv is not None else None
         if slot is None:
             # A prompt array, token ids, every slot leased: the child picks the slot.
-            return self._astray(lease, path, await self._shared(path, body, namespace))
+            return self._astray(lease, path, await self._shared(path, body, namespace),
+                                namespace)
         self._leased[slot] = lease
         lease.slot = slot
         record = Record(path, parsed, used=time.monotonic(), namespace=namespace)
