@@ -538,6 +538,10 @@ def test_two_daemons_on_one_state_dir_keep_each_others_saves_across_restarts(sta
     index = json.loads((folder / INDEX).read_text())
     assert len(index["entries"]) == 2
     assert json.loads((folder / PENDING).read_text())["pending"] == []
+    # llama-server's own files too (it writes them under corral's umask): made 0600 as indexed.
+    assert _mode(folder) == 0o700
+    assert {p.name: _mode(p) for p in folder.iterdir()} \
+        == {p.name: 0o600 for p in folder.iterdir()}
 
     # Both stop (each saves nothing more: its idle save was all), then both start again,
     # in the other order.
