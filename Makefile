@@ -150,6 +150,9 @@ bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/relay_nginx.py
 	$(BIN)/python bench/swap.py
 	$(BIN)/python bench/serving.py
+	$(BIN)/python bench/prompt_cache_index.py
+	$(BIN)/python bench/prompt_cache_setup.py
+	$(BIN)/python bench/cache_ram.py
 
 # Issue 37's two benches, apart from `make bench`: model swaps (A and B alternating, a
 # conversation swapped out and back) with the prompt cache on and off, and the serving metrics

@@ -1,4 +1,4 @@
-"""The swap and serving benches, run small, so that they cannot rot unnoticed: each runs to
+"""The swap, serving and prompt-cache benches, run small, so that they cannot rot unnoticed: each runs to
 its end, finds what it reads from corral (the events of a switch, the prompt cache's restore,
 the outside client's result) and prints its ratios. Nothing asserts a figure's size."""
 
@@ -47,3 +47,23 @@ def test_serving_bench_runs_vllm_bench_serve_on_both_paths(smol_model: Path) -> 
     for row in ("TTFT p50", "TPOT p99", "ITL p99", "output tokens/s", "goodput"):
         assert row in table, out
     assert "requests failed: direct 0, corral 0" in table, out
+
+
+def test_cache_ram_bench_measures_three_children(smol_model: Path) -> None:
+    out = run_bench("cache_ram.py", "--prompts", "2", "--tokens", "60", "--ctx", "1024",
+                    "--cap", "4", "--model", str(smol_model), timeout=240)
+    assert "corral's auto here: --cache-ram" in out, out
+    table = out[out.index("RSS after the last prompt"):]
+    for child in ("default (8192)", "cap (4)", "off (0)"):
+        assert child in table, out
+
+
+def test_prompt_cache_index_bench_prints_both_paths() -> None:
+    out = run_bench("prompt_cache_index.py", "--files", "3", "--tokens", "200", "--rounds", "3",
+                    timeout=120)
+    lines = out.splitlines()
+    header = next(line for line in lines if "new/old" in line)
+    # files, index KB, save old ms, save new ms, new/old, restore ms: six figures, all there.
+    row = lines[lines.index(header) + 1].split()
+    assert row[0] == "3" and len(row) == 6, out
+    assert all(float(figure) >= 0 for figure in row), out
