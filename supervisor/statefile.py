@@ -50,7 +50,10 @@ def private_dir(folder: Path, *, existing: bool = True) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     # mkdir's mode is cut by the umask, never widened past it: chmod says it whole.
     if (made or existing) and folder.stat().st_mode & 0o077:
-        os.chmod(folder, 0o700)
+        try:
+            os.chmod(folder, 0o700)
+        except PermissionError as exc:  # another user's dir: used as it is, and said
+            log.warning("statefile.dir_not_private", dir=str(folder), error=str(exc))
 
 
 def write_private(path: Path, data: bytes) -> None:
