@@ -265,12 +265,14 @@ class Store:
         Every file is fingerprinted (1 MiB read each) before the lock is taken: another
         daemon on the dir blocks on the lock in its event loop (a restore's drop, a save's
         reserve), so it is held only to re-read the index, apply the results and write."""
-        checked = {e.file: (e.bytes, e.fingerprint, self.check(e)) for e in self._read() or []}
+        scanned = self._read() or []
+        checked = {e.file: (e.bytes, e.fingerprint, self.check(e)) for e in scanned}
         with self._lock.held():
-            self._load_locked(checked)
+            self._load_locked(scanned, checked)
 
-    def _load_locked(self, checked: dict[str, tuple[int, str, str | None]]) -> None:
-        entries = self._read() or []
+    def _load_locked(self, scanned: list[Entry],
+                     checked: dict[str, tuple[int, str, str | None]]) -> None:
+        entries = (self._read() or []) if self._changed(INDEX) else scanned
         for name, item in self._read_pending().items():
             if alive(item.get("owner")):
                 self.pending[name] = item
