@@ -7,8 +7,10 @@ save into place and every deletion of a file the index does not name happens und
 of `.lock` in the dir, and re-reads the index first. A save in flight is written under a
 temporary name (`.part`) and listed in the index as pending, with its owner (pid and process
 start time) and its expected size, so the other daemon counts it against the budget and never
-deletes it while its owner lives; a dead owner's temporary files are deleted by whoever reads
-the index next at its start."""
+deletes it while its owner lives; a dead owner's temporary files are deleted, and their
+reservations no longer counted, at the next change any live daemon makes to the index (or its
+next start). Files and index are the user's alone: the dir 0700, corral's files 0600
+(statefile.private_dir, write_private)."""
 
 from __future__ import annotations
 
