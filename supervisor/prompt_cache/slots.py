@@ -148,7 +148,7 @@ class Slots:
         slot = choice.choose(path, conv, namespace) if conv is not None else None
         if slot is None:
             # A prompt array, token ids, every slot leased: the child picks the slot.
-            return self._astray(lease, path, await self._shared(path, body, namespace),
+            return self._astray(lease, path, await self._shared(path, body, namespace, parsed),
                                 namespace)
         self._leased[slot] = lease
         lease.slot = slot
@@ -191,7 +191,8 @@ class Slots:
             raise
         return True
 
-    async def _shared(self, path: str, body: Any, namespace: str) -> Any:
+    async def _shared(self, path: str, body: Any, namespace: str,
+                      parsed: dict[str, Any] | None = None) -> Any:
         """An unpinned request: llama-server puts it on the idle slot whose prompt is most
         like it, maybe another namespace's. With several namespaces on this child, a
         generation goes with `cache_prompt: false`; where llama-server ignores that field
@@ -204,7 +205,7 @@ class Slots:
                 if slot not in self._leased and self._choice.foreign(slot, namespace) \
                         and await self._erase(slot) and slot not in self._leased:
                     self._choice.forget(slot)  # nothing left of it to save or match
-        return _without_reuse(body, None)
+        return _without_reuse(body, parsed)
 
     async def _erase(self, slot: int) -> bool:
         """Another namespace's KV out of `slot` (`POST /slots/N?action=erase`), within
@@ -382,7 +383,15 @@ def _unknown(path: str) -> Record:
 
 def _without_reuse(body: Any, parsed: dict[str, Any] | None, slot: int | None = None) -> Any:
     """The body with `cache_prompt: false` (and `id_slot`): the child reuses nothing of what
-    the slot held."""
+    the slot held. `parsed`: `body` parsed already, when the caller has it."""
+    if parsed is not None and parsed and isinstance(body, (bytes, bytearray)) \
+            and "cache_prompt" not in parsed and (slot is None or "id_slot" not in parsed):
+        # The fields in front of the object's first member, the rest as it came (as pin
+        # adds id_slot): nothing re-encoded.
+        start = body.index(b"{") + 1
+        head = b'{"cache_prompt":false,' if slot is None \
+            else b'{"cache_prompt":false,"id_slot":%d,' % slot
+        return head + bytes(body[start:])
     if parsed is None:
         try:
             parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
