@@ -372,8 +372,9 @@ _GENERATIONS = frozenset({CHAT, COMPLETIONS, "/v1/messages", "/v1/responses", "/
 # Of those, where llama-server takes neither `id_slot` nor `cache_prompt` (seen on its
 # Anthropic-shaped endpoint: `cache_read_input_tokens` the same with `cache_prompt: false`).
 _IGNORES_CACHE_PROMPT = frozenset({"/v1/messages"})
-# A slot whose KV corral cannot vouch for (a restore or an erase cut off by a hang-up): the
-# next request, whoever's, erases it first. Never saved (too small to be worth a file).
+# A slot whose KV corral cannot vouch for (a restore or an erase cut off by a hang-up): a
+# namespace nobody has, so the next request, whoever's, erases it first. Never saved (unsure
+# until a request is pinned there again).
 _UNKNOWN = "\0unknown"
 
 
