@@ -1,6 +1,7 @@
-"""The swap, serving and prompt-cache benches, run small, so that they cannot rot unnoticed: each runs to
-its end, finds what it reads from corral (the events of a switch, the prompt cache's restore,
-the outside client's result) and prints its ratios. Nothing asserts a figure's size."""
+"""The swap, serving and prompt-cache benches, run small, so that they cannot rot unnoticed:
+each runs to its end, finds what it reads from corral (the events of a switch, the prompt
+cache's restore, the outside client's result) and prints its ratios. Nothing asserts a
+figure's size."""
 
 from __future__ import annotations
 
