@@ -236,7 +236,7 @@ def test_the_dead_mark_belongs_to_the_child_that_died(tiny_models, tmp_path, mon
 
     saved: list[str] = []
 
-    async def save_all(self: Slots) -> None:
+    async def save_all(self: Slots, until: float | None = None) -> None:
         saved.append("saved")
 
     monkeypatch.setattr(Slots, "save_all", save_all)
