@@ -30,7 +30,7 @@ from minilm_gguf import write_minilm_gguf
 from tinymodel import write_tiny_llama
 from tinyvision import write_tiny_vision
 
-# Longest modules first to xdist's workers (make test runs the suite on several).
+# How modules go to xdist's workers (make test runs the suite on several).
 pytest_plugins = ["module_order"]
 
 REPO = Path(__file__).resolve().parent.parent
