@@ -55,7 +55,8 @@ def _restored(answer: dict[str, Any], headers: httpx.Headers) -> bool:
     """The child prefilled only the new turn: a few dozen tokens of hundreds."""
     timings = answer["timings"]
     total = timings["prompt_n"] + timings["cache_n"]
-    return timings["prompt_n"] < 60 < total and "prompt-cache" in headers["Server-Timing"]
+    return timings["prompt_n"] < 60 < total \
+        and "prompt-cache" in headers.get("Server-Timing", "")
 
 
 def _cold(answer: dict[str, Any]) -> bool:

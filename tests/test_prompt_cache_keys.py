@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from test_prompt_cache import _next_turn, _restored
 
 from corral.supervisor.config.load import parse_config
 from corral.supervisor.config.schema import PromptCacheConfig
@@ -72,17 +73,6 @@ def _chat(client: httpx.Client, messages: list[dict[str, str]],
     return resp.json(), resp.headers
 
 
-def _next_turn(messages: list[dict[str, str]], answer: dict[str, Any],
-               question: str) -> list[dict[str, str]]:
-    reply = answer["choices"][0]["message"]["content"]
-    return [*messages, {"role": "assistant", "content": reply},
-            {"role": "user", "content": question}]
-
-
-def _restored(answer: dict[str, Any], headers: httpx.Headers) -> bool:
-    timings = answer["timings"]
-    return timings["prompt_n"] < 60 < timings["prompt_n"] + timings["cache_n"] \
-        and "prompt-cache" in headers.get("Server-Timing", "")
 
 
 def _nothing_reused(answer: dict[str, Any], headers: httpx.Headers) -> bool:
