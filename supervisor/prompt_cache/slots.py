@@ -138,12 +138,9 @@ class Slots:
                 return _without_reuse(body, None)
             return body
         if parsed is None:
-            try:
-                parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
-            except ValueError:
-                return body  # the child answers that itself
+            parsed = _object_of(body)
         if not isinstance(parsed, dict):
-            return body
+            return body  # not a JSON object: the child answers that itself
         conv = conversation(path, parsed)
         slot = choice.choose(path, conv, namespace) if conv is not None else None
         if slot is None:
@@ -382,6 +379,15 @@ def _unknown(path: str) -> Record:
     return Record(path, b"{}", namespace=_UNKNOWN)
 
 
+def _object_of(body: Any) -> dict[str, Any] | None:
+    """The request body as a JSON object (None: it is not one)."""
+    try:
+        parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _without_reuse(body: Any, parsed: dict[str, Any] | None, slot: int | None = None) -> Any:
     """The body with `cache_prompt: false` (and `id_slot`): the child reuses nothing of what
     the slot held. `parsed`: `body` parsed already, when the caller has it."""
@@ -394,12 +400,9 @@ def _without_reuse(body: Any, parsed: dict[str, Any] | None, slot: int | None = 
             else b'{"cache_prompt":false,"id_slot":%d,' % slot
         return head + bytes(body[start:])
     if parsed is None:
-        try:
-            parsed = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
-        except ValueError:
+        parsed = _object_of(body)
+        if parsed is None:
             return body  # the child refuses it itself
-        if not isinstance(parsed, dict):
-            return body
     changed = {**parsed, "cache_prompt": False}
     if slot is not None:
         changed["id_slot"] = slot
