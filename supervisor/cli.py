@@ -1,4 +1,4 @@
-"""`corral serve | check | schema | fetch-demo | pull`. `serve` is the composition root: it
+"""`corral serve | check | schema | fetch-demo | pull | fleet`. `serve` is the composition root: it
 builds the daemon and the proxy app and wires them together (the one place supervisor/ reaches
 into proxy/)."""
 
@@ -34,6 +34,7 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.config.checks import missing_files
 from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
+from corral.supervisor.ctl import fleet
 from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import (
     IN_MEMORY,
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                            "relative to the working directory)")
     pull.add_argument("--force", action="store_true", help="replace a model file of that name")
 
+    fleet.add_arguments(sub.add_parser(
+        "fleet", help="corral nodes behind a model router: `fleet manifest` writes smg's "
+                      "discovery file"))
+
     ctl.add_commands(sub)  # ps, top, load, stop, logs, run: clients of a running daemon
 
     args = parser.parse_args(argv)
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fetch_demo(args.models_dir)
     if args.command == "pull":
         return _pull(args)
+    if args.command == "fleet":
+        return fleet.run(args)
     return _serve(args)
 
 
