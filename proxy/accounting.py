@@ -13,6 +13,7 @@ from aiohttp import web
 
 from corral.proxy.capabilities import POSTED
 from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
+from corral.proxy.mount import inner_path
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.port import Supervisor
 
@@ -77,4 +78,6 @@ class Accounting:
 
 
 def _endpoint(request: web.Request) -> str:
-    return request.path if request.path in POSTED else "other"
+    # A model's mount (/w/<name>/v1/...) counts under the top-level path it stands for.
+    path = inner_path(request) or request.path
+    return path if path in POSTED else "other"

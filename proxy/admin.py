@@ -35,7 +35,10 @@ _KEEPALIVE_EVERY = 15.0
 
 def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"models": request.app[key].describe()})
+        daemon = request.app[key]
+        # `node`: which corral this is, in a fleet (the X-Corral-Node of every answer).
+        return web.json_response({"node": daemon.loaded.config.node(),
+                                  "models": daemon.describe()})
 
     async def load(request: web.Request) -> web.Response:
         # A body is optional: {"ctx": 8192, "cache_type_k": "q8_0", ..., "restart": true}

@@ -24,6 +24,7 @@ from corral.proxy import (
     request_id,
     ui,
 )
+from corral.proxy import mount as model_mount
 from corral.proxy.access import ADMIN, CALLER
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.child_http import ChildPool
@@ -62,6 +63,7 @@ CHILDREN: web.AppKey[ChildPool] = web.AppKey("children", ChildPool)
 GROUPS: web.AppKey[GroupRunner] = web.AppKey("groups", GroupRunner)
 EDGE: web.AppKey[Edge] = web.AppKey("edge", Edge)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+NODE_HEADER = "X-Corral-Node"
 # Whether the response's head went out (a stream began): no second response after that.
 STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 
@@ -103,6 +105,9 @@ def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Applic
     app.router.add_post("/v1/{path:.+}", relay_openai)
     # Any other method: a 405 on the paths that answer POST, else simply not there.
     app.router.add_route("*", "/v1/{path:.+}", _not_posted)
+    # Each model's and exposed group's own mount, /w/<quoted name>/...: a router that takes
+    # one model per worker URL (smg) sees one worker per model of this node.
+    model_mount.add_routes(app, DAEMON, relay_openai, STARTED)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
     history.add_routes(app, daemon)
@@ -161,7 +166,7 @@ def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) ->
         request[REQUEST_ID] = rid
         token = ids.bind(rid)
         try:
-            if request.method == "POST" and request.path.startswith("/v1/"):
+            if request.method == "POST" and request.path.startswith(_MODEL_REQUESTS):
                 return await accounting.account(request, guarded, handler)
             return await guarded(request, handler)
         finally:
@@ -170,11 +175,17 @@ def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) ->
     return front
 
 
+# POSTs to these are model requests, accounted for: the top level's and the mounts'.
+_MODEL_REQUESTS = ("/v1/", model_mount.PREFIX)
+
+
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # A signal, not the middleware: a streamed response sends its headers before the
     # handler returns.
     request[STARTED] = True
     request.app[EDGE].add_cors(request, response)
+    # Which node answered: behind a router (docs/fleet.md), where the request ran.
+    response.headers[NODE_HEADER] = request.app[DAEMON].loaded.config.node()
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[request_id.HEADER] = rid
@@ -270,7 +281,7 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
         # llama.cpp router's management API, which Open WebUI calls with its /v1 key.
         if path.startswith("/admin") or path == "/metrics":
             keys = admin_only
-        elif path.startswith(("/v1/", "/models")) or path == "/v1":
+        elif path.startswith(("/v1/", "/models", model_mount.PREFIX)) or path == "/v1":
             keys = v1
         else:
             keys = worker if path.startswith("/peer") else []
@@ -334,12 +345,19 @@ def requested_model(body: dict[str, Any]) -> str:
 _RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
 
 
-async def relay_openai(request: web.Request) -> web.StreamResponse:
+async def relay_openai(request: web.Request, mount: str | None = None) -> web.StreamResponse:
+    """POST /v1/*; `mount`: the model (or group) whose mount it came in by (proxy/mount.py),
+    which the body's `model` must name, or stands for when the body has none."""
     daemon = request.app[DAEMON]
     record = request[RECORD]
     if not _RELAYABLE.fullmatch(request.path):
         raise web.HTTPNotFound()
     raw, body = await read_json_body(request)
+    if mount is not None:
+        record.model = mount  # a refusal below counts under the model it came in by
+        mounted = model_mount.checked_body(daemon, mount, body)
+        if mounted is not body:  # the mount's name went in: the child must see it too
+            raw, body = upstream_body(raw, mounted, mounted["model"], changed=True), mounted
     name = requested_model(body)
     record.model = name
     record.stream = body.get("stream") is True

@@ -12,8 +12,9 @@ too. Ollama fixed the same class (CVE-2024-28224) with a Host check and an origi
   "*"); else 403 `host_not_allowed`. A rebinding attack needs a name, and names are refused.
 - **Origin**: a request a browser sends from another origin carries `Origin`; one not in
   `allowed_origins` (exact "scheme://host[:port]", or "*") is refused (403
-  `origin_not_allowed`) on every method that changes state and on /v1, /admin, /models and
-  /peer, whatever the method. corral's own status page is same-origin and unaffected.
+  `origin_not_allowed`) on every method that changes state and on /v1, /admin, /models, /peer,
+  /metrics and the models' mounts (/w/), whatever the method. corral's own status page is
+  same-origin and unaffected.
 - **Content-Type**: a body a JSON route reads must say `application/json` (415
   `unsupported_media_type`; proxy/validate.require_json, where the body is read): the content
   types a page may send without a preflight never pass.
@@ -35,12 +36,12 @@ from corral.supervisor.config import Config
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # The routes that act or read what runs: cross-origin requests never reach them.
-GUARDED_PREFIXES = ("/v1/", "/admin", "/models", "/peer", "/metrics")
+GUARDED_PREFIXES = ("/v1/", "/admin", "/models", "/peer", "/metrics", "/w/")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
                             "ip6-loopback"})
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id, X-Api-Key, Anthropic-Version"
-EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
+EXPOSED_HEADERS = "X-Request-Id, X-Corral-Node, Server-Timing, Retry-After"
 
 
 class Edge:

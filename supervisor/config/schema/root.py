@@ -3,6 +3,9 @@ address, API keys, ...)."""
 
 from __future__ import annotations
 
+import functools
+import socket
+
 from pydantic import BaseModel, Field, SecretStr, field_validator
 
 from corral.supervisor.config.schema.base import STRICT
@@ -24,6 +27,10 @@ class Config(BaseModel):
         [], description="files merged in before this one (relative to it), in order; "
         "one name or a list")
     listen: str = "127.0.0.1:8080"
+    node_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$",
+        description="this node's name in a fleet: every answer says it in X-Corral-Node, and "
+        "/admin/models in `node`. Default: this machine's host name")
     models_dir: str | None = Field(
         None, description="folder whose *.gguf files become on-demand models (relative to "
         "this file). Default: `models` beside the config file, if it is there")
@@ -77,6 +84,10 @@ class Config(BaseModel):
         split_listen(value)
         return value
 
+    def node(self) -> str:
+        """This node's name: `node_name`, else the host name."""
+        return self.node_name or _host_name()
+
     def several_callers(self) -> bool:
         """Whether more than one key reaches /v1 (the api_keys, and the admin keys beside
         them): each is a caller of its own, whose prompts another must not reuse. What a child
@@ -85,6 +96,12 @@ class Config(BaseModel):
             return False  # no keys: /v1 is open, one caller as far as corral can tell
         keys = {k.get_secret_value() for k in (*self.api_keys, *self.admin_api_keys)}
         return len(keys) > 1
+
+
+@functools.cache
+def _host_name() -> str:
+    # Once: it is read for every answer's X-Corral-Node.
+    return socket.gethostname() or "localhost"
 
 
 def split_listen(listen: str) -> tuple[str, int]:
