@@ -382,31 +382,33 @@ class CorralFactory:
         self.expected = expected or LogExpectations()
 
     def __call__(self, config: dict[str, Any], api_key: str = "unused",
-                 wait: bool = True) -> Corral:
+                 wait: bool = True, host: str = "127.0.0.1") -> Corral:
         config_path = self.folder / f"corral-{len(self.started)}.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        return self.serve(config_path, api_key, wait)
+        return self.serve(config_path, api_key, wait, host=host)
 
     def serve(self, config_path: Path, api_key: str = "unused", wait: bool = True,
-              env: dict[str, str] | None = None) -> Corral:
+              env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Corral:
         """`corral serve -c config_path` (a file as it is: its relative paths stay its own);
         `env` adds to the daemon's environment."""
-        return self.spawn(["-c", str(config_path)], config_path, api_key, wait, env)
+        return self.spawn(["-c", str(config_path)], config_path, api_key, wait, env, host)
 
     def spawn(self, args: Sequence[str], config_path: Path, api_key: str = "unused",
-              wait: bool = True, env: dict[str, str] | None = None) -> Corral:
+              wait: bool = True, env: dict[str, str] | None = None,
+              host: str = "127.0.0.1") -> Corral:
         """`corral serve` with `args` (a config or a models folder), JSON logs to a file of
-        the factory's folder; checked and stopped by close()."""
+        the factory's folder; checked and stopped by close(). `host`: the loopback address it
+        listens on (all of 127/8 is loopback on Linux: a fleet's nodes on .2, .3, .4)."""
         port = free_port()
         log_path = self.folder / f"corral-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "corral.supervisor.cli", "serve", *args,
-                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(self.folder / "state"),
+                 "--listen", f"{host}:{port}", "--state-dir", str(self.folder / "state"),
                  "--log-format", "json", "--log-level", "debug"],
                 stdout=subprocess.DEVNULL, stderr=log_file, cwd=self.folder,
                 env={**os.environ, **DAEMON_ENV, **(env or {})})
-        corral = Corral(proc, f"http://127.0.0.1:{port}", log_path, config_path, api_key)
+        corral = Corral(proc, f"http://{host}:{port}", log_path, config_path, api_key)
         self.started.append(corral)
         if wait:
             def healthy() -> bool:
