@@ -1,0 +1,126 @@
+"""`corral fleet manifest`: smg's discovery file from real corral nodes on 127.0.0.2 and .3
+(command children of tests/fleet_upstream.py: none starts, /v1/models lists them cold)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import yaml
+
+from conftest import Corral, CorralFactory, wait_until
+
+STUB = Path(__file__).parent / "fleet_upstream.py"
+
+
+def stub(name: str, folder: Path) -> dict[str, Any]:
+    return {"backend": "command", "health": "/health",
+            "command": [sys.executable, "-S", str(STUB), "--port", "${PORT}", "--tag", name,
+                        "--record", str(folder / f"{name}.jsonl")]}
+
+
+def node_config(names: list[str], folder: Path) -> dict[str, Any]:
+    return {"defaults": {"ttl": 300, "stop_grace": 5},
+            "models": {name: stub(name, folder) for name in names}}
+
+
+def fleet(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "fleet", "manifest",
+                           *args], capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def workers(node: Corral, *names: str) -> list[dict[str, str]]:
+    return [{"url": f"{node.url}/w/{quote(n, safe='')}", "model_id": n} for n in names]
+
+
+def test_the_manifest_has_one_worker_per_node_and_model(start_corral: CorralFactory,
+                                                         tmp_path: Path) -> None:
+    n2 = start_corral(node_config(["alpha", "org/m:q4"], tmp_path), host="127.0.0.2")
+    n3 = start_corral(node_config(["beta"], tmp_path), host="127.0.0.3")
+    out = tmp_path / "workers.json"
+    done = fleet(n2.url, n3.url, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    # smg 1.13's manifest: version 1, workers with only fields it knows (it refuses others);
+    # a name with / and : quoted whole into the mount's path.
+    expected = {"version": 1, "workers": [*workers(n2, "alpha", "org/m:q4"),
+                                          *workers(n3, "beta")]}
+    assert json.loads(out.read_text()) == expected
+    assert f"{n2.url}/w/org%2Fm%3Aq4" in out.read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".workers.json.")]
+
+    # Unchanged fleet, unchanged file: not even rewritten (smg re-reads on every change).
+    before = out.stat().st_mtime_ns
+    again = fleet(n2.url, n3.url, "--out", str(out))
+    assert again.returncode == 0 and out.stat().st_mtime_ns == before
+    assert "wrote" not in again.stderr
+
+    # Without --out it prints the same manifest; a node that does not answer is left out
+    # and said so, the others still listed.
+    printed = fleet(n3.url, "http://127.0.0.3:1")
+    assert printed.returncode == 0
+    assert json.loads(printed.stdout) == {"version": 1, "workers": workers(n3, "beta")}
+    assert "http://127.0.0.3:1: left out" in printed.stderr
+
+
+def test_no_node_answering_is_an_error_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "workers.json"
+    done = fleet("http://127.0.0.2:1", "127.0.0.3:1", "--out", str(out))
+    assert done.returncode == 1
+    assert "no node answered" in done.stderr and not out.exists()
+    assert fleet("http://127.0.0.2:1", "--watch").returncode == 2  # --watch needs --out
+
+
+def test_watch_follows_a_reload_and_a_node_gone(start_corral: CorralFactory,
+                                                 tmp_path: Path) -> None:
+    n2 = start_corral(node_config(["alpha"], tmp_path), host="127.0.0.2")
+    n3 = start_corral(node_config(["beta"], tmp_path), host="127.0.0.3")
+    out = tmp_path / "workers.json"
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "corral.supervisor.cli", "fleet", "manifest", n2.url, n3.url,
+         "--out", str(out), "--watch", "--interval", "0.2"],
+        stderr=subprocess.PIPE, text=True)
+    # A reader like smg's: every read of the file, at any moment, is a whole manifest.
+    reads: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                text = out.read_text()
+            except FileNotFoundError:
+                continue
+            reads.append(json.loads(text))  # a partial file would raise here
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        def listed() -> list[dict[str, str]]:
+            return json.loads(out.read_text())["workers"] if out.exists() else []
+
+        wait_until(lambda: listed() == [*workers(n2, "alpha"), *workers(n3, "beta")])
+
+        # A node's models change (a config reload): the file follows.
+        n2.config_path.write_text(yaml.safe_dump(node_config(["alpha", "gamma"], tmp_path)))
+        assert n2.http.post("/admin/reload", timeout=60).status_code == 200
+        wait_until(lambda: listed() == [*workers(n2, "alpha", "gamma"), *workers(n3, "beta")])
+
+        # A node gone: its workers leave the file, so the router stops sending there.
+        n3.proc.send_signal(signal.SIGTERM)
+        n3.proc.wait(30)
+        wait_until(lambda: listed() == workers(n2, "alpha", "gamma"))
+    finally:
+        stop.set()
+        reader.join(5)
+        watcher.send_signal(signal.SIGTERM)
+        _, stderr = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, stderr
+    assert f"{n3.url}: left out of the manifest" in stderr
+    assert reads and all(r["version"] == 1 for r in reads)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".workers.json.")]
