@@ -281,7 +281,8 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
         # llama.cpp router's management API, which Open WebUI calls with its /v1 key.
         if path.startswith("/admin") or path == "/metrics":
             keys = admin_only
-        elif path.startswith(("/v1/", "/models", model_mount.PREFIX)) or path == "/v1":
+        elif path.startswith(("/v1/", "/models")) or path == "/v1" or (
+                path.startswith(model_mount.PREFIX) and not model_mount.open_path(request)):
             keys = v1
         else:
             keys = worker if path.startswith("/peer") else []

@@ -29,13 +29,18 @@ worker):
 - (c) `GET /health`: any 2xx is a pass, anything else (or no answer) a failure; after
   --health-failure-threshold failures in a row (3) the worker leaves rotation, after
   --health-success-threshold passes (2) it is back (worker.rs `http_health_check`). The worker's
-  api_key goes along as a bearer token on health, loads and requests alike.
+  api_key goes along as a bearer token on loads, requests and later health checks, but not on
+  the health checks at registration (seen on loopback with --api-key): the mount's health
+  answers without a key, as the top level's /health does.
 
-So a model that is not ready reports token_usage 1.0 (k = 0.999: 0.15 × 999 ≈ 150 s of expected
-wait, and over the overload threshold) and COLD_WAITING more waiting requests (1000 × 1024 /
-2000 ≈ 512 s more, and over the waiting threshold): a node where it is ready wins while its own
-queue is under about 1,300 requests, more than any corral queue holds (max_queue). A model cold
-everywhere ties everywhere, and smg picks at random.
+So a model that is not ready reports COLD_TOKENS more queued tokens in
+num_waiting_uncached_tokens: 1000 requests of smg's default mean prefill, 1,024,000 / 2000 ≈
+512 s of expected wait, so a node where it is ready wins while its own queue is under about
+1,000 requests, more than any corral queue holds (max_queue). The penalty stays out of
+num_waiting_reqs and token_usage, the overload veto's signals: vetoed, a cold node is left out
+even where the only other node serving the model failed, and smg answered 503
+no_available_workers instead of starting the model there. A model cold everywhere ties
+everywhere, and smg picks at random.
 """
 
 from __future__ import annotations
@@ -55,11 +60,11 @@ from corral.proxy.routing import GroupTarget, ModelTarget, resolve
 from corral.supervisor.port import State, Supervisor
 
 PREFIX = "/w/"
-# Waiting requests a model that is not ready adds to its load (see the module's docstring).
+# Waiting requests a model that is not ready adds to its load (see the module's docstring),
+# and the tokens smg's least_load counts for each (its default --least-load-mean-prefill-tokens).
 COLD_WAITING = 1000
-# The token_usage it reports: full, which least_load reads as 0.999 and overload protection
-# as over its threshold.
-COLD_TOKEN_USAGE = 1.0
+MEAN_PREFILL_TOKENS = 1024
+COLD_TOKENS = COLD_WAITING * MEAN_PREFILL_TOKENS
 
 # The relay of POST /v1/* (proxy/app.py), told which mount the request came in by.
 Relay = Callable[..., Awaitable[web.StreamResponse]]
@@ -79,6 +84,12 @@ def inner_path(request: web.Request) -> str | None:
         return None
     _, slash, rest = raw[len(PREFIX):].partition("/")
     return unquote("/" + rest.partition("?")[0]) if slash else None
+
+
+def open_path(request: web.Request) -> bool:
+    """A mount's health answers without a key, as /health does: smg's health checks at a
+    worker's registration carry none."""
+    return inner_path(request) == "/health"
 
 
 def add_routes(app: web.Application, key: web.AppKey[Supervisor], relay: Relay,
@@ -215,29 +226,29 @@ class Load:
         ready = bool(states) and all(s is State.READY for s in states)
         return cls(canonical, running, queued, slots, ready)
 
-    def waiting(self) -> int:
-        return self.queued + (0 if self.ready else COLD_WAITING)
-
     def total(self) -> int:
         """vllm-router's one number: requests in flight and waiting, the cold penalty in."""
-        return self.running + self.waiting()
+        return self.running + self.queued + (0 if self.ready else COLD_WAITING)
 
     def smg(self) -> dict[str, Any]:
         """smg's `WorkerLoadResponse`: one rank, plus corral's own view under `corral`."""
-        waiting = self.waiting()
+        # Cold: the queue in tokens, the penalty added (smg reads tokens first when there are
+        # any). Warm: none, so smg counts the waiting requests at its own mean prefill.
+        tokens = 0 if self.ready else (self.queued * MEAN_PREFILL_TOKENS + COLD_TOKENS)
         return {
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
             "dp_rank_count": 1,
             "loads": [{
                 "dp_rank": 0,
                 "num_running_reqs": self.running,
-                "num_waiting_reqs": waiting,
-                "num_total_reqs": self.running + waiting,
-                "token_usage": 0.0 if self.ready else COLD_TOKEN_USAGE,
+                "num_waiting_reqs": self.queued,
+                "num_waiting_uncached_tokens": tokens,
+                "num_total_reqs": self.running + self.queued,
+                "token_usage": 0.0,
                 "utilization": min(1.0, self.running / self.slots) if self.slots else 0.0,
                 "max_running_requests": self.slots,
             }],
             "corral": {"model": self.model, "ready": self.ready, "in_flight": self.running,
                        "queued": self.queued,
-                       "cold_penalty": 0 if self.ready else COLD_WAITING},
+                       "cold_penalty_tokens": 0 if self.ready else COLD_TOKENS},
         }

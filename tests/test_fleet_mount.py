@@ -116,10 +116,14 @@ def test_loads_put_a_cold_start_penalty_on_a_model_not_ready(node: Corral) -> No
         assert {"dp_rank", "num_running_reqs", "num_waiting_reqs", "token_usage"} <= set(rank)
     warm_rank, cold_rank = warm["loads"][0], cold["loads"][0]
     assert warm_rank["num_waiting_reqs"] == 0 and warm_rank["token_usage"] == 0.0
+    assert warm_rank["num_waiting_uncached_tokens"] == 0
     assert warm["corral"] == {"model": SLASHED, "ready": True, "in_flight": 0, "queued": 0,
-                              "cold_penalty": 0}
-    # Over smg's overload thresholds (8 waiting, 0.8 token usage) and far above any queue.
-    assert cold_rank["num_waiting_reqs"] >= 1000 and cold_rank["token_usage"] >= 0.8
+                              "cold_penalty_tokens": 0}
+    # smg's least_load reads queued tokens first: 1000 requests at its default 1024 tokens
+    # each, far above any queue. Its overload veto's signals (waiting requests, token usage)
+    # stay clear: a cold node is a worse choice, never one left out.
+    assert cold_rank["num_waiting_uncached_tokens"] >= 1000 * 1024
+    assert cold_rank["num_waiting_reqs"] == 0 and cold_rank["token_usage"] == 0.0
     assert cold["corral"]["ready"] is False
     assert node.http.get(SLASHED_BASE + "/get_load").json() == {"load": 0}
     assert node.http.get("/w/cold/get_load").json()["load"] >= 1000
@@ -205,9 +209,9 @@ def test_mount_requests_are_counted_like_the_top_levels(node: Corral) -> None:
 
 # -- the edge -------------------------------------------------------------------------------------
 
-def test_keys_are_required_like_v1(node: Corral) -> None:
+def test_keys_are_required_like_v1_and_health_is_open_like_health(node: Corral) -> None:
     bare = httpx.Client(base_url=node.url, timeout=10)
-    for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/loads"),
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/loads"),
                          ("GET", "/get_load"), ("POST", "/v1/chat/completions")):
         refused = bare.request(method, SLASHED_BASE + path, json={})
         assert refused.status_code == 401, path
@@ -216,8 +220,11 @@ def test_keys_are_required_like_v1(node: Corral) -> None:
         wrong = bare.request(method, SLASHED_BASE + path, json={},
                              headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-    assert bare.get(SLASHED_BASE + "/health", headers={"x-api-key": KEY}).status_code == 200
-    assert node.http.get(SLASHED_BASE + "/health").status_code == 200
+    assert bare.get(SLASHED_BASE + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert node.http.get(SLASHED_BASE + "/v1/loads").status_code == 200
+    # smg checks a worker's health at its registration without the key, as it may /health.
+    assert bare.get("/health").status_code == 200
+    assert bare.get(SLASHED_BASE + "/health").status_code == 200
 
 
 def test_another_origin_is_refused_like_v1(node: Corral) -> None:
