@@ -374,10 +374,10 @@ async def _until(predicate: Any, timeout: float = 5) -> None:
 
 def test_a_daemon_skips_a_first_save_over_its_budget_before_the_child_writes(start_corral,
                                                                              smol_model):
-    """The same on a daemon: a conversation of ~800 tokens of SmolLM2 is ~18 MiB, over a
-    budget of 8 MiB, and no file of the setup exists yet: nothing is written."""
+    """The same on a daemon: a conversation of ~400 tokens of SmolLM2 is ~9 MiB, over a
+    budget of 4 MiB, and no file of the setup exists yet: nothing is written."""
     config = _config(smol_model)
-    config["prompt_cache"]["max_mb"] = 8
+    config["prompt_cache"]["max_mb"] = 4
     corral = start_corral(config)
     answer, _ = _chat(corral, "smol", _conversation("the valley"))
     assert _cold(answer)
