@@ -33,7 +33,7 @@ from conftest import Corral, wait_until
 def _config(smol: Path, **cache: Any) -> dict[str, Any]:
     return {"defaults": {"ttl": 300, "stop_grace": 5}, "policy": {"max_loaded": 1},
             "prompt_cache": {"min_tokens": 64, **cache},
-            "models": {"smol": {"model": str(smol), "ctx": 2048, "threads": 2}}}
+            "models": {"smol": {"model": str(smol), "ctx": 2048, "threads": 1}}}
 
 
 def _saves(corral: Corral) -> list[dict[str, Any]]:
