@@ -131,6 +131,33 @@ def test_loads_put_a_cold_start_penalty_on_a_model_not_ready(node: Corral) -> No
     assert node.models()["cold"]["state"] == "stopped"
 
 
+def test_loads_count_requests_in_flight_and_queued(node: Corral) -> None:
+    assert chat(node, "/w/plain").status_code == 200  # ready, one slot
+    body = json.dumps({"messages": [{"role": "user", "content": "hostile:endless"}]}).encode()
+    host, port = node.url.removeprefix("http://").split(":")
+    hung = []
+    for _ in range(2):  # the first takes the slot and never gets an answer; the second queues
+        conn = socket.create_connection((host, int(port)), timeout=10)
+        conn.sendall(b"POST /w/plain/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        hung.append(conn)
+
+    def rank() -> dict[str, Any]:
+        loads: dict[str, Any] = node.http.get("/w/plain/v1/loads").json()["loads"][0]
+        return loads
+
+    try:
+        wait_until(lambda: (rank()["num_running_reqs"], rank()["num_waiting_reqs"]) == (1, 1))
+        assert rank()["num_waiting_uncached_tokens"] == 0  # warm: smg counts the requests
+        assert node.http.get("/w/plain/get_load").json() == {"load": 2}
+    finally:
+        for conn in hung:  # the clients hang up: corral drops both upstream requests
+            conn.close()
+    wait_until(lambda: node.http.get("/w/plain/get_load").json() == {"load": 0})
+
+
 # -- requests through the mount -----------------------------------------------------------------
 
 def test_a_body_without_model_is_served_as_the_mounts(node: Corral, logs: Path) -> None:
