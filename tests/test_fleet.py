@@ -238,14 +238,19 @@ def test_a_model_warm_on_one_node_goes_only_there(fleet: Fleet, router: Router) 
 
 
 def loads_seen(router: Router, node: Corral, model: str) -> bool:
-    """Whether smg's load monitor has read the worker node/w/model warm (GET /get_loads: what
-    it last polled from each worker's /v1/loads; a cold model waits behind a penalty)."""
-    response = router.http.get("/get_loads")
-    if response.status_code != 200:
-        return False
+    """Whether smg's load monitor has polled what the node's mount reports now (the model
+    warm): the `engine_load` GET /workers shows for the worker matches the mount's own
+    /v1/loads, field by field. (GET /get_loads asks the workers afresh, which says nothing
+    of what the policy has seen.)"""
     worker = f"{node.url}/w/{model}"
-    return any(load["worker"] == worker and load["num_waiting_reqs"] == 0
-               for load in response.json()["loads"])
+    now = httpx.get(f"{worker}/v1/loads").json()["loads"]
+    for entry in router.http.get("/workers").json()["workers"]:
+        if entry["url"] == worker:
+            seen = (entry.get("engine_load") or {}).get("loads") or []
+            return len(seen) == len(now) and all(
+                all(polled.get(k) == v for k, v in mine.items())
+                for polled, mine in zip(seen, now, strict=True))
+    return False
 
 
 def test_a_failed_model_leaves_rotation_on_its_node(fleet: Fleet, router: Router) -> None:
