@@ -129,8 +129,8 @@ def checked_body(daemon: Supervisor, mount: str, body: dict[str, Any]) -> dict[s
     model = body.get("model")
     if model is None or model == "":
         return {**body, "model": mount}
-    if isinstance(model, str) and _same(resolve(daemon, mount), model, daemon):
-        return body
+    if not isinstance(model, str) or _same(resolve(daemon, mount), model, daemon):
+        return body  # the same model (or no name at all: the top level's 400 says so)
     raise ApiError(404, f"{str(model)[:100]!r} is not served here: this is the mount of "
                    f"{mount[:100]!r} ({base(mount)[:200]}); send its name, one of its aliases, "
                    "or no model", "model_not_found", param="model")
@@ -215,8 +215,9 @@ class Load:
     @classmethod
     def of(cls, daemon: Supervisor, target: ModelTarget | GroupTarget) -> Load:
         canonical, states = _states(daemon, target)
-        members = set(target.group.models) if isinstance(target, GroupTarget) \
-            else {target.name}
+        # A group may name its members by alias: the instances carry canonical names.
+        members = {daemon.resolve(m) for m in target.group.models} \
+            if isinstance(target, GroupTarget) else {target.name}
         running = queued = slots = 0
         for inst in daemon.describe():
             if (inst.get("replica_of") or inst["name"]) in members:

@@ -177,6 +177,9 @@ def test_an_alias_or_the_name_pass_another_model_is_404(node: Corral) -> None:
     assert wrong.json()["error"]["code"] == "model_not_found"
     assert wrong.json()["error"]["param"] == "model"
     assert wrong.headers["X-Corral-Node"] == NODE
+    not_a_name = chat(node, SLASHED_BASE, model=5)  # the top level's 400, as there
+    assert not_a_name.status_code == 400
+    assert not_a_name.json()["error"]["code"] == node.chat(5).json()["error"]["code"]
     unknown_mount = chat(node, "/w/nothing-here", model="plain")
     assert unknown_mount.status_code == 404
     assert unknown_mount.json()["error"]["code"] == "model_not_found"
