@@ -102,10 +102,7 @@ def start_router(folder: Path) -> Router:
             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
             "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
             # smg keeps its port 180 s after SIGTERM by default
-            "--shutdown-grace-period-secs", "1", "--log-level", "info",
-            # corral's cold-start penalty is a preference, not an overload: with the veto on,
-            # a model cold on its one healthy node had no worker at all (docs/fleet.md)
-            "--disable-worker-overload-protection"]
+            "--shutdown-grace-period-secs", "1", "--log-level", "info"]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "NO_COLOR": "1"})
