@@ -28,7 +28,7 @@ real model's. Event times are corral's (`/admin/events`, wall clock), the reques
 client's, on the same machine.
 
     python bench/swap.py [--switches 5] [--tokens 2000] [--rounds 2] [--think 3]
-                         [--answer-tokens 32] [--model PATH] [--code GIT-REF]
+                         [--answer-tokens 32] [--model PATH] [--threads N] [--code GIT-REF]
 """
 
 from __future__ import annotations
@@ -241,7 +241,11 @@ def run(a: Path, b: Path, args: argparse.Namespace, folder: Path, code: Path | N
     step, `first` goes first at the first), so the machine's other work hits both alike. Only
     one child computes at a time; the other daemon's child sits idle."""
     ctx = 2 * args.tokens + 1024
-    models = {"A": {"model": str(a), "ctx": ctx}, "B": {"model": str(b), "ctx": ctx}}
+    models: dict[str, dict[str, Any]] = {"A": {"model": str(a), "ctx": ctx},
+                                         "B": {"model": str(b), "ctx": ctx}}
+    if args.threads:
+        for model in models.values():
+            model["threads"] = args.threads
     got: dict[bool, list[Daemon]] = {False: [], True: []}
     with contextlib.ExitStack() as stack:
         steps = {}
@@ -368,6 +372,9 @@ def main() -> None:
                         help="seconds between the conversation's turns (a user reading)")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--model", type=Path, default=SMOL)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="each child's CPU threads (default: corral's, the cores with "
+                             "max_loaded 1)")
     parser.add_argument("--code", metavar="REF",
                         help="run corral as it is at this git ref (a commit, a branch) instead "
                              "of this checkout: a before/after of a change, one run each")

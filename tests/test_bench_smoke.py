@@ -22,13 +22,14 @@ def run_bench(*argv: str, timeout: float) -> str:
     return done.stdout
 
 
-# Four SmolLM2 daemons' starts and a 400-token prefill on each path: 17 s on a quiet 2-core
-# box, 3 minutes when the suite's other workers prefill beside it.
+# Two daemons' SmolLM2 starts and a 400-token prefill on each path: 17 s on a quiet 2-core
+# box, 3 minutes when the suite's other workers prefill beside it. One thread a child: the
+# bench's default (the cores, max_loaded 1) spins a second one beside the suite's workers.
 @pytest.mark.timeout(600)
 def test_swap_bench_times_each_switch_and_prints_its_ratios(smol_model: Path) -> None:
     out = run_bench("swap.py", "--rounds", "1", "--switches", "2", "--tokens", "400",
-                    "--think", "0", "--answer-tokens", "4", "--model", str(smol_model),
-                    timeout=540)
+                    "--think", "0", "--answer-tokens", "4", "--threads", "1",
+                    "--model", str(smol_model), timeout=540)
     table = out[out.index("switches A↔B"):]
     # Every figure came from corral's events and the client: none is missing (nan).
     assert "nan" not in table, out
