@@ -107,7 +107,7 @@ def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Applic
     app.router.add_route("*", "/v1/{path:.+}", _not_posted)
     # Each model's and exposed group's own mount, /w/<quoted name>/...: a router that takes
     # one model per worker URL (smg) sees one worker per model of this node.
-    model_mount.add_routes(app, DAEMON, relay_openai, STARTED)
+    model_mount.add_routes(app, DAEMON, relay_openai, STARTED, health)
     admin.add_routes(app, DAEMON)
     events.add_routes(app, DAEMON, ACCOUNTING)
     history.add_routes(app, daemon)
@@ -286,6 +286,8 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
             keys = v1
         else:
             keys = worker if path.startswith("/peer") else []
+            if path.startswith(model_mount.PREFIX):  # a mount's health: open, per model with a key
+                request[model_mount.ANONYMOUS] = bool(v1) and matched(request, v1) is None
         key = matched(request, keys)
         if key is None:
             return error_response(401, "missing or invalid API key (Authorization: Bearer ... "

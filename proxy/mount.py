@@ -31,7 +31,9 @@ worker):
   --health-success-threshold passes (2) it is back (worker.rs `http_health_check`). The worker's
   api_key goes along as a bearer token on loads, requests and later health checks, but not on
   the health checks at registration (seen on loopback with --api-key): the mount's health
-  answers without a key, as the top level's /health does.
+  answers without a key. Without one, on a node with keys, it says what the top level's /health
+  says, the node's liveness, the same for any name (a per-name 200/404 would tell anyone the
+  node's model names); with the key, or on a node without keys, the model's own answer.
 
 So a model that is not ready reports COLD_TOKENS more queued tokens in
 num_waiting_uncached_tokens: 1000 requests of smg's default mean prefill, 1,024,000 / 2000 ≈
@@ -92,11 +94,24 @@ def open_path(request: web.Request) -> bool:
     return inner_path(request) == "/health"
 
 
+# Set by the key check on a mount's health: True when the node has keys and the request
+# carries none of them. Such a caller gets the node's liveness only, whatever the name.
+ANONYMOUS: web.RequestKey[bool] = web.RequestKey("mount_anonymous", bool)
+
+
 def add_routes(app: web.Application, key: web.AppKey[Supervisor], relay: Relay,
-               started: web.RequestKey[bool]) -> None:
+               started: web.RequestKey[bool], liveness: Callable[
+                   [web.Request], Awaitable[web.StreamResponse]]) -> None:
     """`relay`: the top-level POST /v1/* handler, which takes `mount=`; `started`: the request
-    key that says the response's head went out."""
-    app.router.add_get(PREFIX + "{name}/health", _with(key, _health))
+    key that says the response's head went out; `liveness`: the top level's GET /health, the
+    answer of a mount's health to a caller without a key (ANONYMOUS)."""
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        if request.get(ANONYMOUS):
+            return await liveness(request)
+        return await _health(request, request.app[key], request.match_info["name"])
+
+    app.router.add_get(PREFIX + "{name}/health", health)
     app.router.add_get(PREFIX + "{name}/v1/models", _with(key, _models))
     app.router.add_get(PREFIX + "{name}/v1/loads", _with(key, _loads))
     app.router.add_get(PREFIX + "{name}/get_load", _with(key, _get_load))

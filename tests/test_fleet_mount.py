@@ -257,6 +257,22 @@ def test_keys_are_required_like_v1_and_health_is_open_like_health(node: Corral) 
     assert bare.get(SLASHED_BASE + "/health").status_code == 200
 
 
+def test_health_without_a_key_is_the_nodes_liveness_whatever_the_name(node: Corral) -> None:
+    """Without the key, a mount's health must not tell a configured name from an unknown or a
+    failed one (nor list the node's models in a 404): it answers what /health answers."""
+    bare = httpx.Client(base_url=node.url, timeout=10)
+    keyed = node.http.get("/w/nothing-here/health")
+    assert keyed.status_code == 404  # with the key: per model, as before
+    top = bare.get("/health")
+    for name in (SLASHED, "plain", "broken", "nothing-here", "..", "duo"):
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            answer = bare.get("/w/" + quote(name, safe="") + "/health", headers=headers)
+            assert (answer.status_code, answer.json().keys()) == \
+                (top.status_code, top.json().keys()), name
+            assert "plain" not in answer.text and "available" not in answer.text
+            assert answer.headers["X-Corral-Node"] == NODE
+
+
 def test_another_origin_is_refused_like_v1(node: Corral) -> None:
     page = {"Origin": "http://evil.example:9", "Content-Type": "application/json"}
     for method, path in (("GET", "/health"), ("GET", "/v1/loads"),
