@@ -89,7 +89,7 @@ def test_sigterm_ends_within_the_budget_with_the_saves_made_and_no_child_left(
         "defaults": {"ttl": 300, "stop_grace": 5},
         "prompt_cache": {"min_tokens": 64, "idle_save_after": 0, "save_timeout": 3},
         "models": {
-            "smol": {"model": str(smol_model), "ctx": 2048, "threads": 2},
+            "smol": {"model": str(smol_model), "ctx": 2048, "threads": 1},
             "hang": {"backend": "command", "command": [sys.executable, str(hang), "${PORT}"],
                      "memory_mb": 50, "stop_grace": 8},
             "far": {"backend": "remote", "url": hung_upstream},
@@ -188,7 +188,7 @@ def test_unpinned_requests_never_save_over_a_conversation(start_corral, smol_mod
         "defaults": {"ttl": 300, "stop_grace": 5},
         "prompt_cache": {"min_tokens": 64, "idle_save_after": 0},
         "models": {"smol": {"model": str(smol_model), "ctx": 4096, "parallel": 2,
-                            "threads": 2}}})
+                            "threads": 1}}})
     messages = _talk("the mill")
     first, _ = _chat(corral, "smol", messages)
     _unload(corral)
