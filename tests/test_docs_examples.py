@@ -6,6 +6,7 @@ test_blocks_not_run_say_why)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -289,6 +290,7 @@ def check_prometheus_config(block: Block, folder: Path) -> None:
 
 # -- the usage synopsis --------------------------------------------------------------------------
 
+@functools.cache  # two synopses (README's, install.md's) check the same helps
 def cli_help(*args: str) -> str:
     done = subprocess.run(["corral", *args, "--help"], capture_output=True, text=True,
                           env=environment(Block(REPO, 0, "", "")), timeout=60)
