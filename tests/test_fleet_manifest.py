@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -124,3 +127,55 @@ def test_watch_follows_a_reload_and_a_node_gone(start_corral: CorralFactory,
     assert f"{n3.url}: left out of the manifest" in stderr
     assert reads and all(r["version"] == 1 for r in reads)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".workers.json.")]
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """A node that answers /v1/models with what its path's first part names (the test's URL is
+    http://host:port/<kind>, which the manifest keeps as the node's base)."""
+
+    def do_GET(self) -> None:
+        kind = self.path.split("/")[1]
+        if kind == "deep":  # valid JSON nested deeper than Python's stack
+            body = b"[" * 200_000 + b"]" * 200_000
+        else:  # "huge": a real model list, over 16 MiB
+            body = json.dumps({"object": "list", "data": [
+                {"id": f"m{i:07d}", "object": "model", "pad": "x" * 200}
+                for i in range(80_000)]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if kind == "drip":  # the head at once, then a byte now and then, never the end
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(100):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            return
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_hostile_node_is_left_out_and_crashes_nothing() -> None:
+    """A node whose /v1/models is nested too deep, too large, or never ends is left out, said
+    on stderr, with no traceback (a watcher would have died on the first, filled its memory
+    on the second and hung, SIGTERM included, on the third)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        for kind, said in (("deep", "not JSON"), ("huge", "more than 16,777,216 bytes"),
+                           ("drip", "took more than 10 s")):
+            done = fleet(f"{base}/{kind}")
+            assert done.returncode == 1, (kind, done.stderr)
+            assert said in done.stderr and "Traceback" not in done.stderr, (kind, done.stderr)
+            assert "no node answered" in done.stderr
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -75,9 +76,16 @@ class Client:
 
     # -- requests --------------------------------------------------------------------------
 
-    def get(self, path: str, *, model: str | None = None) -> Any:
-        with self._open("GET", path, None, JSON_TIMEOUT, model) as response:
-            return _json(response, self.url + path)
+    def get(self, path: str, *, model: str | None = None, timeout: float = JSON_TIMEOUT,
+            max_bytes: int | None = None) -> Any:
+        """`max_bytes`: a longer answer is refused (CtlError) rather than read whole, and
+        then the whole answer must come within `timeout` too (a server that drips it out
+        byte by byte would hold the caller forever)."""
+        with self._open("GET", path, None, timeout, model) as response:
+            if max_bytes is None:
+                return _json(response, self.url + path)
+            return _json(response, self.url + path,
+                         _bounded(response, self.url + path, max_bytes, timeout))
 
     def post(self, path: str, body: dict[str, Any] | None = None, *,
              model: str | None = None, timeout: float | None = None) -> Any:
@@ -217,10 +225,29 @@ def model_path(name: str, action: str) -> str:
     return f"/admin/models/{urllib.parse.quote(name, safe='')}/{action}"
 
 
-def _json(response: http.client.HTTPResponse, url: str) -> Any:
+def _bounded(response: http.client.HTTPResponse, url: str, max_bytes: int,
+             timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    parts: list[bytes] = []
+    size = 0
     try:
-        return json.loads(response.read())
-    except ValueError:
+        while chunk := response.read1(65536):
+            size += len(chunk)
+            if size > max_bytes:
+                raise CtlError(f"{url} answered more than {max_bytes:,} bytes: is it a corral?")
+            if time.monotonic() > deadline:
+                raise CtlError(f"{url} took more than {timeout:g} s to answer",
+                               Exit.UNREACHABLE)
+            parts.append(chunk)
+    except (OSError, http.client.HTTPException) as exc:
+        raise CtlError(f"the connection to {url} broke: {exc}", Exit.UNREACHABLE) from None
+    return b"".join(parts)
+
+
+def _json(response: http.client.HTTPResponse, url: str, body: bytes | None = None) -> Any:
+    try:
+        return json.loads(response.read() if body is None else body)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise CtlError(f"{url} answered something that is not JSON: is it a corral?") from None
     except (OSError, http.client.HTTPException) as exc:
         raise CtlError(f"the connection to {url} broke: {exc}", Exit.UNREACHABLE) from None

@@ -31,6 +31,11 @@ from corral.supervisor.ctl.exits import CtlError, Exit
 
 MANIFEST_VERSION = 1  # the one version smg 1.13 reads ("this gateway reads version 1")
 DEFAULT_INTERVAL = 2.0
+# A node's /v1/models must come whole within this and be no longer than that, or the node is
+# left out: a broken or hostile one must neither hold the watcher (nor its SIGTERM) nor fill
+# its memory.
+NODE_TIMEOUT = 10.0
+MAX_MODELS_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ def read_node(url: str, api_key: str | None) -> Node:
     if api_key:
         client.api_key = Key(api_key, "--api-key")
     try:
-        data = client.get("/v1/models").get("data")
+        data = client.get("/v1/models", timeout=NODE_TIMEOUT,
+                          max_bytes=MAX_MODELS_BYTES).get("data")
     except CtlError as exc:
         # The client's advice for one daemon (`corral serve`, --url) is not this command's.
         return Node(client.url, error=str(exc).split(". Start one with")[0])
