@@ -13,17 +13,46 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import math
 import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+__all__ = ["Array", "GgufHeader", "Tensor", "gguf_constants", "header_digest", "read_header"]
 
-__all__ = ["Array", "GgufHeader", "Tensor", "header_digest", "read_header"]
+
+def _load_gguf_constants() -> ModuleType:
+    """gguf's constants.py alone (its type tables, nothing else imported): `import gguf`
+    loads numpy and gguf's reader and writer too, ~0.2 CPU-s at every start of a daemon or a
+    corral command, for these tables. gguf itself already imported: its own module."""
+    loaded = sys.modules.get("gguf.constants")
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("gguf")
+    where = list(package.submodule_search_locations or []) if package else []
+    spec = (importlib.util.spec_from_file_location(
+        "corral.supervisor.gguf_constants", Path(where[0]) / "constants.py") if where else None)
+    if spec is None or spec.loader is None:
+        import gguf.constants
+
+        return gguf.constants
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gguf_constants = _load_gguf_constants()
+if TYPE_CHECKING:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+else:
+    GGML_QUANT_SIZES = gguf_constants.GGML_QUANT_SIZES
+    GGMLQuantizationType = gguf_constants.GGMLQuantizationType
 
 # GGUF value types (gguf-py's GGUFValueType): struct format of each scalar.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",

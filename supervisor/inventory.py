@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from corral.supervisor.gguf_header import read_header
+from corral.supervisor.gguf_header import gguf_constants, read_header
 
 log = structlog.get_logger("corral.inventory")
 
@@ -121,18 +121,16 @@ def _header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, str]]]:
 def _quantization(file_type: Any, tensors: list[tuple[str, int, str]]) -> str | None:
     """The file's declared type (`general.file_type`: Q4_K_M, ...), else the tensor type that
     holds the most bytes."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
-
     if isinstance(file_type, int):
         try:
-            name = LlamaFileType(file_type).name
+            name = gguf_constants.LlamaFileType(file_type).name
         except ValueError:
             name = ""
         if name and name != "GUESSED":
             return "F32" if name == "ALL_F32" else name.removeprefix("MOSTLY_")
     by_type: Counter[str] = Counter()
     for _, elements, kind in tensors:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        block, size = gguf_constants.GGML_QUANT_SIZES[gguf_constants.GGMLQuantizationType[kind]]
         by_type[kind] += elements // block * size
     return by_type.most_common(1)[0][0] if by_type else None
 

@@ -4,6 +4,8 @@ their length; broken files refused with ValueError."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -67,3 +69,26 @@ def test_not_gguf_and_missing(tmp_path: Path) -> None:
         read_header(html)
     with pytest.raises(OSError):
         read_header(tmp_path / "missing.gguf")
+
+
+_STARTS_LIGHT = """
+import sys
+from corral.supervisor import cli, inventory
+from corral.supervisor.daemon import read_model
+from corral.supervisor.gguf_header import GGML_QUANT_SIZES, GGMLQuantizationType, gguf_constants
+assert "numpy" not in sys.modules and "gguf" not in sys.modules, sorted(sys.modules)
+import gguf
+assert {int(k): v for k, v in GGML_QUANT_SIZES.items()} \\
+    == {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+assert GGMLQuantizationType.Q4_1 == gguf.GGMLQuantizationType.Q4_1
+assert GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0] == (32, 34)
+assert [t.name for t in gguf_constants.LlamaFileType] == [t.name for t in gguf.LlamaFileType]
+"""
+
+
+def test_a_daemon_or_a_command_starts_without_numpy() -> None:
+    """gguf's type tables come from its constants.py alone: `import gguf` loads numpy and
+    gguf's reader and writer (~0.2 CPU-s at every start of corral), for these tables."""
+    done = subprocess.run([sys.executable, "-c", _STARTS_LIGHT], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]

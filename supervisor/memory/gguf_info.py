@@ -9,9 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import gguf
-
-from corral.supervisor.gguf_header import read_header
+from corral.supervisor.gguf_header import gguf_constants, read_header
 
 __all__ = ["describe_gguf"]
 
@@ -39,7 +37,7 @@ def describe_gguf(path: Path) -> dict[str, Any]:
             layer_bytes[int(found.group(1))] += size
     file_type = header.get("general.file_type")
     try:
-        quantization = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") \
+        quantization = gguf_constants.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") \
             if file_type is not None else None
     except ValueError:
         quantization = None
