@@ -23,6 +23,10 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 # a minute (seen in a run with one core kept busy), and what these tests wait on is the order
 # of things, not their speed.
 SLOW_OK = 300
+# max_loaded 1 gives each child every core (threads: cores / max_loaded): one thread instead,
+# so that a second one does not spin beside the suite's other workers (7 times the CPU of a
+# tiny model's generation on a busy 2-core box).
+ONE_THREAD = {"threads": 1}
 
 
 
@@ -74,7 +78,8 @@ def test_in_flight_model_is_never_evicted_new_request_waits(start_corral, tiny_m
     corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
                                       # Far longer than the generation, even on a busy box:
                                       # what is tested is that b waits, not how long.
-                                      policy={"max_loaded": 1, "evict_timeout": 150}))
+                                      policy={"max_loaded": 1, "evict_timeout": 150},
+                                      defaults=ONE_THREAD))
     corral.chat("tiny-a", max_tokens=1)
     a_result: list[httpx.Response] = []
     worker = threading.Thread(
@@ -93,7 +98,8 @@ def test_in_flight_model_is_never_evicted_new_request_waits(start_corral, tiny_m
 @pytest.mark.expect_log("proxy.request_failed")
 def test_no_capacity_is_503_with_retry_after(start_corral, tiny_models):
     corral = start_corral(tiny_config(tiny_models, names=["tiny-a", "tiny-b"],
-                                      policy={"max_loaded": 1, "evict_timeout": 0.5}))
+                                      policy={"max_loaded": 1, "evict_timeout": 0.5},
+                                      defaults=ONE_THREAD))
     corral.chat("tiny-a", max_tokens=1)
     worker = threading.Thread(target=lambda: corral.chat("tiny-a", timeout=SLOW_OK, **LONG))
     worker.start()
