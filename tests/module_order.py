@@ -38,9 +38,9 @@ FIRST = ("tests/test_vllm.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "dist", "no") != "loadfile":
-        return
-    # A stable sort: every worker collects the same order, as xdist requires.
+    # In every process, whatever the options: xdist's workers run with `dist` "no" and hand
+    # the controller their collection, whose order the controller keeps. A stable sort, the
+    # same in every worker, as xdist requires.
     items.sort(key=lambda item: _module(item.nodeid) not in FIRST)
 
 
