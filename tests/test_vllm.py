@@ -11,6 +11,7 @@ TTL stop (the process group gone, the port free)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -135,11 +136,24 @@ def test_memory_estimate_matches_the_measured_child(served: Corral) -> None:
         return entry if entry.get("measured_mib") else None
 
     entry = wait_until(measured, timeout=20)
-    estimate = entry["estimate_mib"]["cpu"]
-    real = entry["measured_mib"]["cpu"]
+    # The measured figure is the peak of the samples since the start: a sample taken while
+    # vLLM's three processes still grow (seen once alone: 2,105 MiB, where every other run
+    # measured within the bound) rises with the next ones, so the estimate is compared with
+    # the peak once it has settled within the bound, or after 30 s with the last one.
+    seen = [entry]
+
+    def within() -> bool:
+        seen.append(measured() or seen[-1])
+        real = seen[-1]["measured_mib"]["cpu"]
+        return abs(seen[-1]["estimate_mib"]["cpu"] - real) / real < 0.20
+
+    with contextlib.suppress(AssertionError):  # asserted below, with the figures
+        wait_until(within, timeout=30, interval=0.5)
+    estimate = seen[-1]["estimate_mib"]["cpu"]
+    real = seen[-1]["measured_mib"]["cpu"]
     # The three processes (API server, engine core, worker) with their 1 GiB KV cache.
-    assert real > 1024 + 500, entry
-    assert abs(estimate - real) / real < 0.20, (estimate, real)
+    assert real > 1024 + 500, seen[-1]
+    assert abs(estimate - real) / real < 0.20, (estimate, real, seen[0]["measured_mib"])
 
 
 def check(config: dict[str, Any], folder: Path) -> subprocess.CompletedProcess[str]:
@@ -180,9 +194,37 @@ def test_check_refuses_keys_of_the_other_backend_and_unknown_dtypes(
 def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
         served: Corral) -> None:
     client = served.client(timeout=COLD_START)
-    assert client.chat.completions.create(model="tinyv", messages=HI, max_tokens=1)
-    pid = served.model("tinyv")["pid"]
-    members = group_of(pid)
+    # On a box the suite keeps busy, this thread can be starved while vLLM writes the whole
+    # stream ahead into the sockets' buffers: then the kill lands after the last token and
+    # cuts nothing. That kill still fails the model and the next request restarts it, so
+    # the test tries again, up to three times, and asserts on the try whose stream was cut.
+    for _attempt in range(3):
+        assert client.chat.completions.create(model="tinyv", messages=HI, max_tokens=1)
+        pid = served.model("tinyv")["pid"]
+        members = group_of(pid)
+        chunks, failure = _stream_killed_after_the_first_token(client, pid)
+        if chunks < 2000:
+            break
+        wait_until(lambda: served.model("tinyv")["state"] == "failed", timeout=30)
+    else:
+        pytest.fail("three streams finished before their kills: nothing was tested")
+    assert failure, f"the stream ended without an error after {chunks} chunks"
+    assert isinstance(failure[0], openai.APIError), repr(failure[0])
+    assert "tinyv" in str(failure[0]), str(failure[0])
+    # vLLM's engine core and worker go with it: nothing of the old group is left.
+    wait_until(lambda: not any(p in members for p in group_of(pid)), timeout=30)
+    wait_until(lambda: served.model("tinyv")["state"] == "failed", timeout=10)
+    # The next request starts a new child and is answered by it.
+    reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=3)
+    assert reply.choices[0].message.content is not None
+    new_pid = served.model("tinyv")["pid"]
+    assert new_pid != pid and served.spawned_pids("tinyv")[-2:] == [pid, new_pid]
+
+
+def _stream_killed_after_the_first_token(
+        client: openai.OpenAI, pid: int) -> tuple[int, list[BaseException]]:
+    """A long stream, its child SIGKILLed once a token came: the chunks read and what the
+    SDK raised."""
     # Long enough to be cut: the tiny model streams a few hundred tokens a second here.
     stream = client.chat.completions.create(
         model="tinyv", messages=HI, max_tokens=2000, temperature=0, stream=True,
@@ -212,18 +254,7 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     os.kill(pid, signal.SIGKILL)
     reader.join(60)
     assert not reader.is_alive(), "the stream hung after the child was killed"
-    assert chunks[0] < 2000, "the stream finished before the kill: nothing was tested"
-    assert failure, f"the stream ended without an error after {chunks[0]} chunks"
-    assert isinstance(failure[0], openai.APIError), repr(failure[0])
-    assert "tinyv" in str(failure[0]), str(failure[0])
-    # vLLM's engine core and worker go with it: nothing of the old group is left.
-    wait_until(lambda: not any(p in members for p in group_of(pid)), timeout=30)
-    wait_until(lambda: served.model("tinyv")["state"] == "failed", timeout=10)
-    # The next request starts a new child and is answered by it.
-    reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=3)
-    assert reply.choices[0].message.content is not None
-    new_pid = served.model("tinyv")["pid"]
-    assert new_pid != pid and served.spawned_pids("tinyv")[-2:] == [pid, new_pid]
+    return chunks[0], failure
 
 
 def test_ttl_stops_the_whole_process_group_and_frees_the_port(served: Corral) -> None:
