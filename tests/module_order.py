@@ -34,7 +34,7 @@ def _module(nodeid: str) -> str:
 
 
 # Modules handed out before all others (the rest keep file order).
-FIRST = ("tests/test_vllm.py",)
+FIRST = ("tests/test_vllm.py", "tests/test_docs_examples.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

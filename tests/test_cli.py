@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import Corral, CorralFactory, free_port, llama_server_binary, wait_until
+from conftest import Corral, CorralFactory, free_port, llama_server_binary, sse_lines, wait_until
 
 # What the `corral` script runs (pyproject.toml's entry point: corral.supervisor.ctl:main).
 CORRAL = [sys.executable, "-m", "corral.supervisor.ctl"]
@@ -208,7 +208,7 @@ def test_stop_force_cuts_off_the_request_in_flight(corral: Corral) -> None:
         try:
             with corral.http.stream("POST", "/v1/chat/completions", json=body,
                                     timeout=300) as response:
-                for line in response.iter_lines():
+                for line in sse_lines(response):
                     if line.startswith("data: {") and '"content"' in line:
                         got["chunks"] += 1
                     if '"finish_reason":"length"' in line:

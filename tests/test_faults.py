@@ -32,7 +32,9 @@ GO = [{"role": "user", "content": "go"}]
 def sse_events(text: str) -> list[Any]:
     """The data of each SSE event: parsed JSON, or the raw string ("[DONE]")."""
     events: list[Any] = []
-    for line in text.splitlines():
+    # Split at LF only, as SSE does: str.splitlines also splits at U+0085 and U+2028, which
+    # JSON leaves unescaped inside a string and a tiny model's random tokens can hold.
+    for line in text.split("\n"):
         if line.startswith("data:"):
             data = line[5:].strip()
             try:

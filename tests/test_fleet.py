@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Corral, CorralFactory, free_port, wait_until
+from conftest import Corral, CorralFactory, free_port, sse_lines, wait_until
 
 STUB = Path(__file__).parent / "fleet_upstream.py"
 SMG = Path(sys.executable).with_name("smg")
@@ -203,7 +203,7 @@ def test_sse_chunk_gaps_survive_the_router(router: Router) -> None:
             "messages": [{"role": "user", "content": "hi"}]}) as response:
         assert response.status_code == 200
         assert node_of(response) == "n2"
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line.startswith("data:") and "n2:alpha" in line:
                 arrivals.append(time.monotonic())
     # The stub spaces its 4 content chunks 0.4 s apart: a buffering hop would bunch them

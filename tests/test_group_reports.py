@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from corral.proxy import votes
 from corral.proxy.groups import agreement_note
 
-from conftest import Corral, CorralFactory, free_port
+from conftest import Corral, CorralFactory, free_port, sse_lines
 
 SCRIPT = Path(__file__).resolve().parent / "scripted_member.py"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -130,7 +130,7 @@ def last_group_event(corral: Corral) -> dict[str, Any]:
     """The most recent `group` event, as /admin/events replays it."""
     with corral.http.stream("GET", "/admin/events", params={"kinds": "group", "last": 1},
                             timeout=10) as resp:
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if line.startswith("data: "):
                 event: dict[str, Any] = json.loads(line[6:])
                 return event

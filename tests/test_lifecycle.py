@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import gone, port_is_free, tiny_config, wait_until
+from conftest import gone, port_is_free, sse_lines, tiny_config, wait_until
 
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 # A few seconds alone; on a loaded 2-core box llama.cpp's spinning threads can stretch it past
@@ -140,7 +140,7 @@ def test_client_disconnect_cancels_generation(start_corral, tiny_models):
             "messages": [{"role": "user", "content": "go"}]}
     with httpx.Client(timeout=30) as client, \
             client.stream("POST", corral.url + "/v1/chat/completions", json=body) as resp:
-        lines = resp.iter_lines()
+        lines = sse_lines(resp)
         for _ in range(20):
             next(lines)
         assert corral.model("tiny-a")["in_flight"] == 1

@@ -33,7 +33,7 @@ import yaml
 
 from corral.supervisor.backends.binaries import find_executable
 
-from conftest import Corral, CorralFactory, wait_until
+from conftest import Corral, CorralFactory, sse_lines, wait_until
 from tinymodel import write_tiny_llama
 
 ADMIN_KEY = "admin-secret"
@@ -146,7 +146,7 @@ def streaming(corral: Corral, model: str) -> Iterator[Iterator[str]]:
     with corral.http.stream("POST", "/v1/chat/completions", json={
             "model": model, "stream": True, "max_tokens": 100000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "hi"}]}) as stream:
-        lines = stream.iter_lines()  # kept: a closed iterator closes the stream
+        lines = sse_lines(stream)  # kept: a closed iterator closes the stream
         next(line for line in lines if line.startswith("data:"))
         yield lines
 
@@ -320,7 +320,7 @@ def test_a_restart_with_overrides_drains_a_stream_in_flight(corral: Corral):
             "model": "other", "stream": True, "max_tokens": tokens, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hi"}]}) as stream:
-        lines = stream.iter_lines()
+        lines = sse_lines(stream)
         first = next(line for line in lines if line.startswith("data:"))
         thread, out = in_background(
             lambda: load(corral, "other", {"ctx": 2048, "restart": True}))

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corral.supervisor.events import EventBus
 
-from conftest import Corral, CorralFactory, llama_server_binary, tiny_config, wait_until
+from conftest import Corral, CorralFactory, llama_server_binary, sse_lines, tiny_config, wait_until
 
 SLOW_START = 3.0
 
@@ -266,7 +266,7 @@ class EventReader:
             assert resp.headers["content-type"].startswith("text/event-stream")
             self.opened.set()
             kind, data = None, None
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if self._stop.is_set():
                     return
                 if line.startswith("event: "):
@@ -331,7 +331,7 @@ def test_events_filter_by_kind_and_replay_from_an_id(corral):
     with httpx.stream("GET", corral.url + "/admin/events",
                       headers={"Last-Event-ID": str(before)}, timeout=10) as resp:
         event_id = None
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if line.startswith("id: "):
                 event_id = int(line[4:])
             elif line.startswith("event: ") and event_id is not None:

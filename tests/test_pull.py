@@ -30,7 +30,7 @@ from corral.supervisor.config import parse_config
 from corral.supervisor.discovery import discover
 from corral.supervisor.events import EventBus
 
-from conftest import CorralFactory, free_port, tiny_config, wait_until
+from conftest import CorralFactory, free_port, sse_lines, tiny_config, wait_until
 from tinymodel import write_tiny_llama
 
 OLD_DATE = "Tue, 01 Jul 2025 10:00:00 GMT"  # Last-Modified of the blobs served
@@ -539,7 +539,7 @@ def pull_events(url: str, until: set[str], timeout: float = 20,
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     with httpx.stream("GET", url + "/admin/events?kinds=pull&since=0", timeout=timeout) as resp:
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if line.startswith("data: "):
                 event = json.loads(line[6:])
                 if pull_id in (None, event["id"]):

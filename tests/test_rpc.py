@@ -33,7 +33,7 @@ from fake_gpu import write_gpus
 from corral.supervisor.config import ConfigError, parse_config
 from corral.supervisor.rpc.plan import HEADROOM, NoFit, plan_split
 
-from conftest import Corral, CorralFactory, free_port, port_is_free, wait_until
+from conftest import Corral, CorralFactory, free_port, port_is_free, sse_lines, wait_until
 from tinymodel import write_tiny_llama
 
 FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
@@ -132,7 +132,7 @@ def test_a_killed_worker_ends_the_stream_cleanly_and_the_next_request_deploys_ag
         with httpx.stream("POST", local.url + "/v1/chat/completions", timeout=60, json={
                 "model": "big", "messages": HI, "max_tokens": 20000, "ignore_eos": True,
                 "stream": True}) as resp:
-            for line in resp.iter_lines():
+            for line in sse_lines(resp):
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) > 3:

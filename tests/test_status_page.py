@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
-from conftest import Corral, CorralFactory, tiny_config, wait_until
+from conftest import Corral, CorralFactory, sse_lines, tiny_config, wait_until
 
 ADMIN_KEY = "boss-key"
 # A model name is the operator's, but it is still a string the page must never parse.
@@ -272,7 +272,7 @@ def test_events_count_from_one_and_a_new_reader_may_start_with_the_last_ones(
     ids: list[int] = []
     kinds: list[str] = []
     with corral.http.stream("GET", "/admin/events?last=5") as resp:
-        for line in resp.iter_lines():
+        for line in sse_lines(resp):
             if line.startswith("id: "):
                 ids.append(int(line[4:]))
             elif line.startswith("event: "):
