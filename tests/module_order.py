@@ -9,10 +9,11 @@ either way: 16:46 with three tests past their deadlines, against 15:21 and none 
 order, where they meet lighter ones. xdist's own reorder (most tests first) is off for the
 same reason: the file order is the one measured.
 
-One exception: test_vllm.py goes first. Its vLLM children take two minutes of one worker
-whatever runs beside them, and last in file order they were the suite's tail (a worker busy
-alone for the run's last ~2 minutes: 10:52 in all, where the modules' seconds over 3 workers
-came to 9:25); first, they meet the light modules at the front of the alphabet.
+Two exceptions, the longest modules that are not SmolLM2 prefills: test_vllm.py and
+test_docs_examples.py go first. test_vllm's children take two minutes of one worker whatever
+runs beside them, and last in file order they were the suite's tail (a worker busy alone for
+the run's last ~2 minutes: 10:52 in all, where the modules' seconds over 3 workers came to
+9:25; 10:02 with test_vllm first, 9:58 with both).
 
 Each run writes each module's seconds (setup, calls and teardown of its tests) to
 build/module-seconds.json, to see where the suite's time goes.
