@@ -4,6 +4,7 @@ figures."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -273,7 +274,13 @@ def test_fit_params_gives_none_when_it_cannot(tmp_path: Path, tiny: Path) -> Non
               "cache_type_v": None}
     assert asyncio.run(fit_params(str(tmp_path / "no-such-binary"), tiny, **kwargs)) is None
     assert asyncio.run(fit_params(binary, junk, **kwargs)) is None
-    assert asyncio.run(fit_params(binary, tiny, timeout=0.001, **kwargs)) is None
+    # A run past its timeout: a stand-in that never ends (the real one on a tiny model can
+    # finish within a 1 ms timeout on a busy box, where the spawn itself takes longer).
+    (tmp_path / "hangs").mkdir()
+    hangs = tmp_path / "hangs" / "llama-fit-params"
+    hangs.write_text(f"#!/bin/sh\nexec {shutil.which('sleep')} 600\n")
+    hangs.chmod(0o755)
+    assert asyncio.run(fit_params(str(hangs), tiny, timeout=0.5, **kwargs)) is None
     assert not psutil.Process().children(recursive=True)  # killed, not left running
     assert fit_params_binary(str(tmp_path / "llama-server")) is None
 
