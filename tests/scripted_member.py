@@ -1,11 +1,14 @@
 #!/usr/bin/env -S python3 -S
 """A group member whose behaviour a test sets on its command line (a `backend: command`
 child): the answer it gives, how long it takes, how many of its starts fail, and a file where
-it writes each request body it got, so a test can assert what corral sent each member.
-Standard library only (started with -S, like fake_upstream, whose request reader it uses).
+it writes each request body it got, so a test can assert what corral sent each member. With
+--chunks, a streamed request gets that many content chunks --gap seconds apart (SSE, chunked;
+without, the same JSON answer as any other), so a test can tell that nothing between here and
+its client buffered them. Standard library only (started with -S, like fake_upstream, whose
+request reader it uses).
 
     scripted_member.py --port PORT [--reply TEXT] [--delay S] [--record FILE]
-                       [--fail-starts N --starts FILE]
+                       [--fail-starts N --starts FILE] [--chunks N] [--gap S]
 """
 
 import argparse
@@ -15,20 +18,47 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from fake_upstream import requests
+
+
+def chunk(conn: socket.socket, data: bytes) -> None:
+    conn.sendall(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+
+def stream(conn: socket.socket, args: argparse.Namespace) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+    for i in range(args.chunks):
+        if i:
+            time.sleep(args.gap)
+        event = {"id": "scripted", "object": "chat.completion.chunk", "model": "scripted",
+                 "choices": [{"index": 0, "delta": {"content": f"{args.reply}{i} "},
+                              "finish_reason": None}]}
+        chunk(conn, b"data: " + json.dumps(event).encode() + b"\n\n")
+    done = {"id": "scripted", "object": "chat.completion.chunk", "model": "scripted",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    chunk(conn, b"data: " + json.dumps(done).encode() + b"\n\ndata: [DONE]\n\n")
+    chunk(conn, b"")
 
 
 def serve(conn: socket.socket, args: argparse.Namespace, lock: threading.Lock) -> None:
     with conn:
         for method, path, raw in requests(conn):
             if method == "POST":
+                request = json.loads(raw or b"{}")
                 if args.record:
                     with lock, open(args.record, "a") as out:
-                        out.write(json.dumps({"path": path, "body": json.loads(raw or b"{}")})
-                                  + "\n")
+                        out.write(json.dumps({"path": path, "body": request}) + "\n")
                 if args.delay:
                     threading.Event().wait(args.delay)
+                if args.chunks and isinstance(request, dict) and request.get("stream"):
+                    try:
+                        stream(conn, args)
+                    except OSError:
+                        return
+                    continue
                 body = {"id": "scripted", "object": "chat.completion", "model": "scripted",
                         "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": args.reply}}],
@@ -52,6 +82,8 @@ def main() -> None:
     parser.add_argument("--record")
     parser.add_argument("--fail-starts", type=int, default=0)
     parser.add_argument("--starts")
+    parser.add_argument("--chunks", type=int, default=0)
+    parser.add_argument("--gap", type=float, default=0.3)
     args = parser.parse_args()
     if args.fail_starts:
         count = 0

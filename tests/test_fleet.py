@@ -1,6 +1,6 @@
 """A fleet: three corral nodes (127.0.0.2, .3, .4) behind smg 1.13.0, the model router, which
 finds them in the discovery file `corral fleet manifest --watch` writes (docs/fleet.md).
-Stub models are command children of tests/fleet_upstream.py, which records what reaches it;
+Stub models are command children of tests/scripted_member.py, which records what reaches it;
 the demo model on one node is the real check. The nodes, the router and the manifest are
 shared by the module; the tests run in file order (the last ones kill a node)."""
 
@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Corral, CorralFactory, free_port, sse_lines, wait_until
+from conftest import Corral, CorralFactory, free_port, sse_lines, terminate, wait_until
 
-STUB = Path(__file__).parent / "fleet_upstream.py"
+STUB = Path(__file__).parent / "scripted_member.py"
 SMG = Path(sys.executable).with_name("smg")
 
 # phi cannot start on n3 (its command exits at once): the failure is the point.
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.expect_log(allow=[r'"model": "phi"', r"phi exited with 
 def stub(node: str, name: str, folder: Path) -> dict[str, Any]:
     return {"backend": "command", "health": "/health",
             "command": [sys.executable, "-S", str(STUB), "--port", "${PORT}",
-                        "--tag", f"{node}:{name}", "--record", str(folder / f"{node}-{name}.jsonl"),
+                        "--reply", f"{node}:{name}",
+                        "--record", str(folder / f"{node}-{name}.jsonl"),
                         "--chunks", "4", "--gap", "0.4"]}
 
 
@@ -148,12 +149,7 @@ def fleet(start_corral_module: CorralFactory, tmp_path_factory: pytest.TempPathF
     finally:
         result.stop_watching()
         router.http.close()
-        router.proc.send_signal(signal.SIGTERM)
-        try:
-            router.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            router.proc.kill()
-            router.proc.wait()
+        terminate(router.proc, 30)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """`corral fleet manifest`: smg's discovery file from real corral nodes on 127.0.0.2 and .3
-(command children of tests/fleet_upstream.py: none starts, /v1/models lists them cold)."""
+(command children of tests/scripted_member.py: none starts, /v1/models lists them cold)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import yaml
 
 from conftest import Corral, CorralFactory, wait_until
 
-STUB = Path(__file__).parent / "fleet_upstream.py"
+STUB = Path(__file__).parent / "scripted_member.py"
 
 
 def stub(name: str, folder: Path) -> dict[str, Any]:
     return {"backend": "command", "health": "/health",
-            "command": [sys.executable, "-S", str(STUB), "--port", "${PORT}", "--tag", name,
+            "command": [sys.executable, "-S", str(STUB), "--port", "${PORT}", "--reply", name,
                         "--record", str(folder / f"{name}.jsonl")]}
 
 
