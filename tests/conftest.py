@@ -170,6 +170,21 @@ def group_of(pid: int) -> list[int]:
     return found
 
 
+def terminate(proc: subprocess.Popen[Any], grace: float) -> bool:
+    """SIGTERM, then SIGKILL if `proc` is still running `grace` seconds later; reaped either
+    way. True when it ended by itself."""
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
 def sse_lines(response: httpx.Response) -> Iterator[str]:
     """A streamed answer's lines, split where SSE splits them (LF, its CR dropped) and nowhere
     else. httpx's iter_lines splits like str.splitlines, also at U+0085, U+2028 and \x1c-\x1e,

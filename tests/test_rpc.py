@@ -33,7 +33,15 @@ from fake_gpu import write_gpus
 from corral.supervisor.config import ConfigError, parse_config
 from corral.supervisor.rpc.plan import HEADROOM, NoFit, plan_split
 
-from conftest import Corral, CorralFactory, free_port, port_is_free, sse_lines, wait_until
+from conftest import (
+    Corral,
+    CorralFactory,
+    free_port,
+    port_is_free,
+    sse_lines,
+    terminate,
+    wait_until,
+)
 from tinymodel import write_tiny_llama
 
 FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
@@ -355,13 +363,8 @@ class Worker:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 20)
 
 
 @pytest.fixture(scope="module")
