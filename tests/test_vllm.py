@@ -70,7 +70,7 @@ def cmdline(pid: int) -> list[str]:
 def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Path) -> None:
     client = served.client(timeout=COLD_START)
     reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=8,
-                                           temperature=0)
+                                           temperature=0, extra_body={"ignore_eos": True})
     assert reply.model == "tinyv"
     assert reply.choices[0].message.content
     assert reply.usage is not None and reply.usage.completion_tokens == 8
@@ -115,7 +115,8 @@ def test_stream_through_the_sdk(served: Corral) -> None:
 
 def test_mixed_group_runs_a_llama_server_and_a_vllm_member(served: Corral) -> None:
     resp = served.http.post("/v1/batch/execute", json={
-        "group": "mixed", "messages": HI, "temperature": 0, "max_tokens": 6}, timeout=COLD_START)
+        "group": "mixed", "messages": HI, "temperature": 0, "max_tokens": 6,
+        "ignore_eos": True}, timeout=COLD_START)
     assert resp.status_code == 200, resp.text
     result = resp.json()
     assert result["complete"] is True
