@@ -17,8 +17,9 @@ import aiohttp
 import psutil
 import structlog
 
-from corral.supervisor import log_pipe
+from corral.supervisor import log_pipe, socket_dir
 from corral.supervisor.reaper import GroupKeeper
+from corral.supervisor.socket_dir import SocketDir
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -193,8 +194,13 @@ class ChildProcess:
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str],
                  log_lines: int = 400, keeper: GroupKeeper | None = None,
-                 stop_signal: signal.Signals = signal.SIGTERM):
+                 stop_signal: signal.Signals = signal.SIGTERM,
+                 sockets: SocketDir | None = None):
         self.name = name
+        # A directory of its own for the child's Unix sockets (vLLM's), made at the spawn
+        # and removed once its group is gone (supervisor/socket_dir.py says why).
+        self._sockets = sockets
+        self.socket_dir: str | None = None
         self.stop_signal = stop_signal  # what asks it to stop (a command child may want SIGINT)
         self._keeper = keeper
         self.argv = list(argv)
@@ -238,6 +244,7 @@ class ChildProcess:
 
     async def spawn(self) -> int:
         env = child_environment(os.environ, self.env)
+        self._make_socket_dir(env)
         read_end, write_end = log_pipe.open_pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -251,6 +258,7 @@ class ChildProcess:
             )
         except BaseException:
             os.close(read_end)
+            self._remove_socket_dir()  # nothing ran that could use it
             raise
         finally:
             os.close(write_end)  # the child's now: end of file comes when it (and helpers) exit
@@ -265,6 +273,33 @@ class ChildProcess:
         self._reader = asyncio.create_task(log_pipe.read_lines(self._output, read_end),
                                            name=f"logs:{self.name}")
         return self._proc.pid
+
+    def _make_socket_dir(self, env: dict[str, str]) -> None:
+        """Make the child's socket directory and name it in `env`, unless the model's env or
+        the daemon's already names one: that one is the operator's, and corral removes
+        nothing of it. A directory that cannot be made leaves the child the default."""
+        if self._sockets is None or self._sockets.env in env:
+            return
+        try:
+            self.socket_dir = socket_dir.make(self._sockets.kind)
+        except OSError as exc:
+            self._log.warning("child.socket_dir_failed", error=str(exc),
+                              note="its sockets go to the system temp dir")
+            return
+        env[self._sockets.env] = self.socket_dir
+
+    def _remove_socket_dir(self) -> None:
+        """The child's group is gone (or never ran): its sockets go too. Once."""
+        path, self.socket_dir = self.socket_dir, None
+        if path is None:
+            return
+        try:
+            socket_dir.remove(path)
+        except OSError as exc:
+            self._log.warning("child.socket_dir_not_removed", path=path, error=str(exc),
+                              note="the next daemon start tries again")
+            return
+        self._log.debug("child.socket_dir_removed", path=path)
 
     def _keep(self, raw_lines: list[bytes]) -> None:
         lines = [line for raw in raw_lines
@@ -397,6 +432,8 @@ class ChildProcess:
             self._log.error("child.unkillable", kill_wait=self.kill_wait,
                             note="still there after SIGKILL; corral stops waiting for it")
             return None
+        # Its group had SIGKILL before the child was reaped: nothing of it uses them now.
+        self._remove_socket_dir()
         self._log.info("child.stopped", returncode=code)
         return code
 
@@ -411,6 +448,7 @@ class ChildProcess:
         self._signal_group(signal.SIGKILL)
         if reaped:
             self._group_gone = True
+            self._remove_socket_dir()
         if self._keeper is not None:
             self._keeper.forget(self._proc.pid)
 

@@ -22,6 +22,7 @@ from corral.supervisor.memory.checkpoint import (
     estimate_vllm,
 )
 from corral.supervisor.memory.estimate import Estimate
+from corral.supervisor.socket_dir import SocketDir
 
 __all__ = ["VLLM_INSTALL_HINT", "Vllm", "gpu_fraction", "vllm_command", "vllm_kv_type_problem"]
 
@@ -63,6 +64,9 @@ class Vllm:
     lists_models = True
     # uvicorn's line once the API server (engine up, routes mounted) accepts requests.
     ready_lines: tuple[str, ...] | None = ("Application startup complete",)
+    # Its ZMQ sockets (API server, engine core, workers) go to $VLLM_RPC_BASE_PATH/<uuid4>, by
+    # default the temp dir, where a SIGKILL leaves them: each child gets a directory of its own.
+    sockets = SocketDir(env="VLLM_RPC_BASE_PATH", kind="vllm")
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:
         argv = [*vllm_command(spec),

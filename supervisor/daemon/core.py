@@ -26,6 +26,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor import reload as reloading
+from corral.supervisor import socket_dir
 from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
 from corral.supervisor.daemon.admin import Admin
 from corral.supervisor.daemon.herd import Herd
@@ -113,6 +114,8 @@ class Daemon:
         reaped = self._registry.reap_leftovers()
         if reaped:
             log.warning("daemon.reaped_orphans", pids=reaped)
+        # After the orphans: the socket dirs of a daemon killed before it could remove them.
+        socket_dir.sweep_leftovers()
         self._keeper.start()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True))

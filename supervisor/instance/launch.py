@@ -145,7 +145,9 @@ class Launch:
             raise
         env = {**self._backend.env(self.spec), **self._backend.auth_env(api_key)}
         process = ChildProcess(self._name, argv, env, keeper=self._keeper,
-                               stop_signal=signal.Signals[self.spec.stop_signal]) \
+                               stop_signal=signal.Signals[self.spec.stop_signal],
+                               # vLLM's: a backend without one has no such attribute
+                               sockets=getattr(self._backend, "sockets", None)) \
             if deployment is None else \
             ProcessSet(self._name, argv, env, deployment, keeper=self._keeper)
         self.process = process
