@@ -93,7 +93,8 @@ def unload(corral: Corral, name: str) -> None:
 def test_a_cold_request_is_a_miss_and_says_what_the_start_cost(corral):
     unload(corral, "slow")
     before = metrics(corral)
-    resp = corral.chat("slow", max_tokens=4)
+    # ignore_eos: the random tiny model may end at any token; 4 asked, 4 counted.
+    resp = corral.chat("slow", max_tokens=4, ignore_eos=True)
     assert resp.status_code == 200, resp.text
     timing = server_timing(resp)
     # The wrapper sleeps 3 s before the real binary even starts: the start is most of the wait.
@@ -235,7 +236,7 @@ def test_group_runs_and_member_outcomes_are_counted(corral):
 
 
 def test_recent_requests_list_their_timings(corral):
-    resp = corral.chat("tiny-a", max_tokens=2)
+    resp = corral.chat("tiny-a", max_tokens=2, ignore_eos=True)
     rid = resp.headers["x-request-id"]
     recent = corral.http.get("/admin/requests", params={"limit": 5}).json()["requests"]
     mine = recent[-1]
@@ -429,26 +430,32 @@ def test_a_model_configured_for_it_streams_its_load_progress_before_the_answer(c
     assert line["status"] == 200 and line["hit"] is False and line["tokens_out"] == 6
 
 
+# An answer with some text in it from the random tiny model: ignore_eos (it may end at any
+# token), and 4 byte-level tokens (a character takes at most 4; the child holds back a part of
+# one until it is whole).
+SOME_TEXT: dict[str, Any] = {"max_tokens": 4, "extra_body": {"ignore_eos": True}}
+
+
 def test_progress_is_per_request_too_and_a_ready_model_gets_none(corral):
     unload(corral, "slow")
     client = corral.client()
     # Asked for by header (its model does not send it by default).
     stream = client.chat.completions.create(
-        model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
-        extra_headers={"X-Corral-Progress": "1"})
+        model="slow", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers={"X-Corral-Progress": "1"}, **SOME_TEXT)
     reasoning, content = _reasoning_and_content(stream)
     assert "Loading slow…" in reasoning and content
     # Ready now: nothing to report, the answer comes as it is.
     stream = client.chat.completions.create(
-        model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
-        extra_headers={"X-Corral-Progress": "1"})
+        model="slow", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers={"X-Corral-Progress": "1"}, **SOME_TEXT)
     reasoning, content = _reasoning_and_content(stream)
     assert reasoning == "" and content
     # And a header saying no turns a model's default off.
     unload(corral, "slow-progress")
     stream = client.chat.completions.create(
-        model="slow-progress", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-        stream=True, extra_headers={"X-Corral-Progress": "0"})
+        model="slow-progress", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers={"X-Corral-Progress": "0"}, **SOME_TEXT)
     reasoning, content = _reasoning_and_content(stream)
     assert reasoning == "" and content
 
