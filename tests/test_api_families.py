@@ -34,7 +34,10 @@ def corral(start_corral_module: CorralFactory, smol_model: Path,
     return start_corral_module({
         "defaults": {"ttl": 600, "stop_grace": 5},
         "models": {
-            "smol": {"model": str(smol_model), "ctx": 2048},
+            # At llama-server's sampling SmolLM2 may end at its first token (no text, no
+            # time to first token); /v1/messages honours no ignore_eos in the body, so the
+            # flag: every answer is its whole max_tokens.
+            "smol": {"model": str(smol_model), "ctx": 2048, "args": ["--ignore-eos"]},
             # Thousands of tokens a second: a long stream to break, cheaply.
             "tiny": {"model": str(tiny_models["tiny-a"]), "ctx": 8192},
             # A server that knows its model by another name (and says so in every answer).
@@ -95,7 +98,7 @@ def test_openai_sdk_responses_whole_and_streamed(corral: Corral) -> None:
     before = token_counters(corral, "smol")
     reply = client.responses.create(model="smol", input=ASK, max_output_tokens=16)
     assert reply.model == "smol" and reply.usage is not None, reply
-    assert reply.output_text
+    assert reply.output_text and reply.usage.output_tokens == 16, reply
     counted(corral, "/v1/responses", False, before, reply.usage.input_tokens,
             reply.usage.output_tokens)
 
@@ -117,6 +120,7 @@ def test_anthropic_sdk_messages_create_and_stream(corral: Corral) -> None:
     message = client.messages.create(model="smol", max_tokens=16,
                                      messages=[{"role": "user", "content": ASK}])
     assert message.model == "smol" and message.content, message
+    assert message.usage.output_tokens == 16 and message.stop_reason == "max_tokens", message
     counted(corral, "/v1/messages", False, before, anthropic_input(message.usage),
             message.usage.output_tokens)
 

@@ -35,7 +35,12 @@ pytestmark = pytest.mark.expect_log(
 @pytest.fixture(scope="module")
 def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path]) -> Corral:
     config = tiny_config(tiny_models, ["tiny-a", "tiny-b", "tiny-a2"])
-    # The doomed group's synthesizer writes its whole max_tokens, whatever the family asked.
+    # Every member writes its whole max_tokens, whatever the family asked (the filter reaches
+    # the child on every path): a random tiny model may end at its first token, leaving a
+    # stream no text and no time to first token. The doomed group's synthesizer needs it for
+    # a stream long enough to break.
+    for name in MEMBERS:
+        config["models"][name]["request"] = {"set": {"ignore_eos": True}}
     config["models"]["tiny-a2"].update(ctx=16384, request={"set": {"ignore_eos": True}})
     exposed = {"expose_as_model": True}
     config["groups"] = {

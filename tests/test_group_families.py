@@ -49,6 +49,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def corral(start_corral_module, tiny_models, logs: Path) -> Corral:
     config = tiny_config(tiny_models, ["tiny-a", "tiny-b", "tiny-a2"])
+    # The tiny members write their whole max_tokens on every path (a random model may end at
+    # its first token: a stream with no text, a synthesis not streamed token by token).
+    for name in ("tiny-a", "tiny-b", "tiny-a2"):
+        config["models"][name]["request"] = {"set": {"ignore_eos": True}}
     config["models"].update({
         "tools-chat": fake(logs / "chat.jsonl"),
         "tools-resp": fake(logs / "resp.jsonl", api="responses"),
@@ -255,9 +259,9 @@ def test_llama_server_asked_on_messages_as_a_member(corral: Corral) -> None:
     first = details["responses"][0]
     assert first["model"] == "llama-msg" and first["status"] == "ok", first
     assert first["usage"]["prompt_tokens"] > 0 and first["usage"]["completion_tokens"] == MAX
-    # The group's usage is its members' summed (tiny-a, asked on chat, may end early).
+    # The group's usage is its members' summed (tiny-a's filter sets ignore_eos too).
     members = sum(m["usage"]["completion_tokens"] for m in details["responses"])
-    assert message.model == "real-msg" and message.usage.output_tokens == members
+    assert message.model == "real-msg" and message.usage.output_tokens == members == 2 * MAX
 
 
 def test_a_broken_group_stream_ends_in_the_familys_error(corral: Corral) -> None:
