@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.proxy.families.wire import StreamHead, Wire, wire_for
+from corral.proxy.families.wire import StreamHead, Wire, count, wire_for
 from corral.supervisor.port import Lease, Restored
 
 # The tail of a stream kept to read its usage from: the last few chunks, never the stream.
@@ -145,21 +146,21 @@ class RequestRecord:
             self.completion_tokens = tokens_out
         timings = data.get("timings")
         if isinstance(timings, dict):
-            self.cache_n = _int(timings.get("cache_n"))
+            self.cache_n = count(timings.get("cache_n"))
             # llama-server's own figures: the prompt it evaluated (cache hits excluded) and
             # the tokens it generated, with its generation speed.
             if self.completion_tokens is None:
-                self.completion_tokens = _int(timings.get("predicted_n"))
+                self.completion_tokens = count(timings.get("predicted_n"))
             if self.prompt_tokens is None:
-                prompt = _int(timings.get("prompt_n"))
-                cached = _int(timings.get("cache_n")) or 0
+                prompt = count(timings.get("prompt_n"))
+                cached = count(timings.get("cache_n")) or 0
                 self.prompt_tokens = prompt + cached if prompt is not None else None
-            per_token = timings.get("prompt_per_token_ms")
-            if isinstance(per_token, (int, float)) and per_token > 0:
-                self.prompt_ms_per_token = float(per_token)
-            speed = timings.get("predicted_per_second")
-            if isinstance(speed, (int, float)) and speed > 0:
-                self.tokens_per_s = float(speed)
+            per_token = _rate(timings.get("prompt_per_token_ms"))
+            if per_token is not None:
+                self.prompt_ms_per_token = per_token
+            speed = _rate(timings.get("predicted_per_second"))
+            if speed is not None:
+                self.tokens_per_s = speed
 
     def finish(self, status: int) -> None:
         if self.answer is not None:
@@ -216,5 +217,13 @@ def _object_after(body: bytes, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _rate(value: object) -> float | None:
+    """A speed the child measured: a positive, finite number. Python's json reads Infinity,
+    which /admin/requests would write back as no JSON a browser parses."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        rate = float(value)
+    except OverflowError:  # an int past a float's range
+        return None
+    return rate if 0 < rate < math.inf else None

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.proxy.families.wire import MAX_TOKENS
 from corral.proxy.validate import too_deep
 
 
@@ -32,8 +33,8 @@ def _count(value: Any, what: str) -> int:
     """A token count a member reported: a whole number, or none at all."""
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-            isinstance(value, float) and not value.is_integer()):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value <= MAX_TOKENS) or (isinstance(value, float) and not value.is_integer()):
         raise NotAnAnswer(f"its usage's {what} is {str(value)[:40]!r}, not a token count")
     return int(value)
 

@@ -19,7 +19,8 @@ from typing import Any
 from corral.proxy import request_id
 from corral.proxy.sse import DONE, error_event, typed
 
-__all__ = ["CHAT", "MESSAGES", "RESPONSES", "StreamHead", "Tokens", "Wire", "wire_for"]
+__all__ = ["CHAT", "MESSAGES", "RESPONSES", "StreamHead", "Tokens", "Wire", "count",
+           "wire_for"]
 
 # (tokens in, tokens out): either may be unknown.
 Tokens = tuple[int | None, int | None]
@@ -30,8 +31,17 @@ _HEAD_LIMIT = 64 * 1024
 _HEAD_CHUNKS = 4
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+# The most tokens one answer may claim: far past any context, and exact as a float (the
+# metrics' counters add floats; an int past a float's range makes them raise).
+MAX_TOKENS = 2 ** 53 - 1
+
+
+def count(value: object) -> int | None:
+    """A token count an upstream reported, or None where it is none: not an int, below zero
+    (a counter cannot go back) or past MAX_TOKENS (a hostile number, 10**400)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS:
+        return value
+    return None
 
 
 def _dict(value: object) -> dict[str, Any] | None:
@@ -58,7 +68,7 @@ class Wire:
         usage = _dict(data.get("usage"))
         if usage is None:
             return None, None
-        return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+        return count(usage.get("prompt_tokens")), count(usage.get("completion_tokens"))
 
     def rename(self, data: Any, served_name: str, model: str) -> bool:
         """`model` for `served_name` wherever this family names the model in `data` (an
@@ -125,7 +135,7 @@ class ResponsesWire(Wire):
         if usage is None:
             return None, None
         # input_tokens counts the cached ones too (input_tokens_details.cached_tokens).
-        return _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+        return count(usage.get("input_tokens")), count(usage.get("output_tokens"))
 
     def read_head(self, event: dict[str, Any], head: StreamHead) -> bool:
         response = _dict(event.get("response"))
@@ -165,17 +175,17 @@ class MessagesWire(Wire):
         usage = _dict(data.get("usage"))
         if usage is None:
             return None, None
-        return self._input(usage), _int(usage.get("output_tokens"))
+        return self._input(usage), count(usage.get("output_tokens"))
 
     @staticmethod
     def _input(usage: dict[str, Any]) -> int | None:
         # Anthropic's input_tokens leave out what came from the prompt cache: the prompt is
         # all three (what OpenAI's prompt_tokens and input_tokens count).
-        tokens = _int(usage.get("input_tokens"))
+        tokens = count(usage.get("input_tokens"))
         if tokens is None:
             return None
-        return tokens + (_int(usage.get("cache_read_input_tokens")) or 0) \
-            + (_int(usage.get("cache_creation_input_tokens")) or 0)
+        return tokens + (count(usage.get("cache_read_input_tokens")) or 0) \
+            + (count(usage.get("cache_creation_input_tokens")) or 0)
 
     # The stream's start is held until its first event is read: one that lacks message_start
     # gets it (below).

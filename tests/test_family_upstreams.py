@@ -1,0 +1,220 @@
+"""What a hostile or broken upstream can send on the Responses and Messages paths, relayed by a
+real corral to a remote model in front of a raw server that misbehaves on purpose (the case
+is named in the request's text): token counts that are no counts, text the renamer cannot
+write back, headers that are the upstream's own. The client gets the answer whole or an error
+in its family's shape, the request is accounted once, and the daemon logs no traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fake_upstream import requests
+
+from conftest import Corral, CorralFactory, free_port, sse_lines, wait_until
+
+SERVED = "upstream-name"  # the name the remote knows the model by (renamed both ways)
+# Counts no child could mean: below zero, past any float (the metrics' counters take floats).
+COUNTS = {"negative": -5, "huge": 10 ** 400}
+
+
+def _head(content_type: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type + b"\r\n" + extra
+
+
+def _whole(body: bytes, extra: bytes = b"") -> bytes:
+    return (_head(b"application/json", extra) + b"Content-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _event(kind: str, payload: dict[str, Any]) -> bytes:
+    return _chunk(f"event: {kind}\ndata: ".encode() + json.dumps(payload).encode() + b"\n\n")
+
+
+def _stream(events: list[bytes], extra: bytes = b"") -> bytes:
+    return (_head(b"text/event-stream", extra) + b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"".join(events) + b"0\r\n\r\n")
+
+
+def _message(usage: dict[str, Any], text: str = "fine") -> dict[str, Any]:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": SERVED,
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": usage}
+
+
+def _response(usage: dict[str, Any] | None, text: str = "fine") -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "status": "completed", "model": SERVED,
+            "output": [{"type": "message", "id": "m", "role": "assistant", "status":
+                        "completed", "content": [{"type": "output_text", "text": text,
+                                                  "annotations": []}]}],
+            "usage": usage}
+
+
+def _messages_stream(tokens_in: Any, tokens_out: Any, text: str = "fine") -> list[bytes]:
+    start = _message({"input_tokens": tokens_in, "output_tokens": 0}, "")
+    start["content"] = []
+    return [_event("message_start", {"type": "message_start", "message": start}),
+            _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}),
+            _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "text_delta", "text": text}}),
+            _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _event("message_delta", {"type": "message_delta", "delta": {
+                "stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": tokens_out}}),
+            _event("message_stop", {"type": "message_stop"})]
+
+
+def _responses_stream(usage: dict[str, Any] | None, text: str = "fine") -> list[bytes]:
+    head = _response(None, "")
+    head["status"], head["output"] = "in_progress", []
+    return [_event("response.created", {"type": "response.created", "response": head}),
+            _event("response.output_text.delta", {"type": "response.output_text.delta",
+                                                   "item_id": "m", "output_index": 0,
+                                                   "content_index": 0, "delta": text}),
+            _event("response.completed", {"type": "response.completed",
+                                          "response": _response(usage, text)})]
+
+
+def answer(path: str, case: str) -> bytes:
+    """The raw answer to a request on `path` whose text names `case` (`kind-detail`)."""
+    kind, _, detail = case.partition("-")
+    messages = path == "/v1/messages"
+    if kind in ("whole", "stream"):  # token counts that are no counts
+        count = COUNTS[detail]
+        if kind == "whole":
+            body = _message({"input_tokens": count, "output_tokens": count}) if messages \
+                else _response({"input_tokens": count, "output_tokens": count})
+            return _whole(json.dumps(body).encode())
+        return _stream(_messages_stream(count, count) if messages
+                       else _responses_stream({"input_tokens": count, "output_tokens": count}))
+    raise AssertionError(f"no such case: {case}")
+
+
+class HostileUpstream:
+    """A raw HTTP/1.1 server in a thread: each request gets `answer(path, case)`, the case
+    found in its body as `case:NAME`."""
+
+    def __init__(self, answers: Callable[[str, str], bytes]) -> None:
+        self.port = free_port()
+        self.answers = answers
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            for _method, path, body in requests(conn):
+                found = re.search(rb"case:([a-z0-9-]+)", body)
+                try:
+                    conn.sendall(self.answers(path, found.group(1).decode() if found else ""))
+                except OSError:
+                    return  # corral hung up
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[HostileUpstream]:
+    made = HostileUpstream(answer)
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, upstream: HostileUpstream) -> Corral:
+    return start_corral_module({"models": {"far": {
+        "backend": "remote", "url": f"http://127.0.0.1:{upstream.port}",
+        "served_name": SERVED}}})
+
+
+def _ask(corral: Corral, path: str, case: str, stream: bool) -> httpx.Response:
+    if path == "/v1/messages":
+        body: dict[str, Any] = {"model": "far", "max_tokens": 8, "messages": [
+            {"role": "user", "content": f"case:{case}"}]}
+    else:
+        body = {"model": "far", "input": f"case:{case}"}
+    return corral.http.post(path, json={**body, "stream": stream})
+
+
+def _last_request(corral: Corral, path: str, case_count: int) -> dict[str, Any]:
+    """The request log's entry for the `case_count`-th request on `path`, once it is in."""
+    def logged() -> list[dict[str, Any]]:
+        rows = corral.http.get("/admin/requests?limit=200").json()["requests"]
+        return [r for r in rows if r["endpoint"] == path]
+    rows = wait_until(lambda: len(logged()) >= case_count and logged())
+    return dict(rows[-1])
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize("count", sorted(COUNTS))
+def test_token_counts_that_are_no_counts_are_not_counted(corral: Corral, path: str,
+                                                         count: str) -> None:
+    """A usage below zero, or past what a float holds, was taken as the request's tokens:
+    the metrics' counter raised on it (a traceback after the answer went out) and the
+    request was never accounted (no log line, no /admin/requests entry)."""
+    before = len([r for r in corral.http.get("/admin/requests?limit=200").json()["requests"]
+                  if r["endpoint"] == path])
+    whole = _ask(corral, path, f"whole-{count}", stream=False)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["model"] == "far"
+    row = _last_request(corral, path, before + 1)
+    assert (row["status"], row["tokens_in"], row["tokens_out"]) == (200, None, None)
+
+    with corral.http.stream("POST", path, json={**json.loads(_ask_body(path, count)),
+                                                "stream": True}) as streamed:
+        lines = list(sse_lines(streamed))
+    assert streamed.status_code == 200
+    assert any("fine" in line for line in lines)
+    row = _last_request(corral, path, before + 2)
+    assert (row["status"], row["tokens_in"], row["tokens_out"]) == (200, None, None)
+    assert "corral_prompt_tokens_total" not in _metric_lines(corral, "far")
+
+
+def _ask_body(path: str, count: str) -> str:
+    if path == "/v1/messages":
+        return json.dumps({"model": "far", "max_tokens": 8, "messages": [
+            {"role": "user", "content": f"case:stream-{count}"}]})
+    return json.dumps({"model": "far", "input": f"case:stream-{count}"})
+
+
+def _metric_lines(corral: Corral, model: str) -> str:
+    text = corral.http.get("/metrics").text
+    return "\n".join(line for line in text.splitlines()
+                     if f'model="{model}"' in line and "tokens_total" in line
+                     and not line.endswith(" 0.0"))
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_members_count_past_any_float_is_not_an_answer(api: str) -> None:
+    """A group's member claiming 10**400 tokens summed into the group's usage, and the
+    group's request then raised in the metrics as above."""
+    from corral.proxy.families.answers import NotAnAnswer, member_answer
+
+    huge = 10 ** 400
+    data: dict[str, Any] = {
+        "chat": {"choices": [{"message": {"content": "x"}}],
+                 "usage": {"prompt_tokens": huge, "completion_tokens": 1}},
+        "responses": _response({"input_tokens": 1, "output_tokens": huge}),
+        "messages": _message({"input_tokens": 1, "cache_read_input_tokens": huge,
+                              "output_tokens": 1})}[api]
+    with pytest.raises(NotAnAnswer, match="not a token count"):
+        member_answer(api, data)
