@@ -7,15 +7,19 @@ In order: cold start; non-stream and stream through the OpenAI SDK; a mixed para
 llama-server member, one vLLM member) in one request; the memory estimate against the child's
 measured RAM; `corral check` on vLLM-only keys and dtypes against the installed vLLM's --help;
 kill -9 mid-stream (a clean error, the whole group gone, the next request restarts it); and a
-TTL stop (the process group gone, the port free)."""
+TTL stop (the process group gone, the port free). Along the way, each child's private directory
+for its ZMQ sockets: there while it runs, gone with its group, and a killed daemon's removed by
+the next daemon's start."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,19 @@ def cmdline(pid: int) -> list[str]:
     return psutil.Process(pid).cmdline()
 
 
+def socket_dir_of(served: Corral, pid: int) -> Path:
+    """The directory corral gave the vLLM child `pid` for its ZMQ sockets: short (under the
+    system temp dir), named after the daemon that owns it."""
+    path = Path(psutil.Process(pid).environ()["VLLM_RPC_BASE_PATH"])
+    assert path.parent == Path(tempfile.gettempdir()), path
+    assert path.name.startswith(f"corral-vllm-{served.proc.pid}."), path
+    return path
+
+
+def sockets_in(path: Path) -> list[str]:
+    return [p.name for p in path.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+
+
 def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Path) -> None:
     client = served.client(timeout=COLD_START)
     reply = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=8,
@@ -91,6 +108,10 @@ def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Pa
     assert env["VLLM_API_KEY"] and env["VLLM_API_KEY"] not in " ".join(argv)
     # vLLM's engine core and worker run in the child's own process group.
     assert len(group_of(pid)) >= 3, [cmdline(p) for p in group_of(pid)]
+    # Their ZMQ sockets are in a directory of the child's own, not loose in /tmp.
+    sockets = socket_dir_of(served, pid)
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+    assert sockets_in(sockets), list(sockets.iterdir())
     # The key corral gave it is required: nobody else uses its port.
     import httpx
     assert httpx.get(f"http://127.0.0.1:{state['port']}/v1/models").status_code == 401
@@ -199,10 +220,12 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     # stream ahead into the sockets' buffers: then the kill lands after the last token and
     # cuts nothing. That kill still fails the model and the next request restarts it, so
     # the test tries again, up to three times, and asserts on the try whose stream was cut.
+    killed: dict[int, Path] = {}  # each killed child's socket dir
     for _attempt in range(3):
         assert client.chat.completions.create(model="tinyv", messages=HI, max_tokens=1)
         pid = served.model("tinyv")["pid"]
         members = group_of(pid)
+        killed[pid] = socket_dir_of(served, pid)
         chunks, failure = _stream_killed_after_the_first_token(client, pid)
         if chunks < 2000:
             break
@@ -220,6 +243,14 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
     assert reply.choices[0].message.content is not None
     new_pid = served.model("tinyv")["pid"]
     assert new_pid != pid and served.spawned_pids("tinyv")[-2:] == [pid, new_pid]
+    # SIGKILL left the old children's sockets behind: corral removed their directories
+    # whole once their groups were gone, and the new child has its own.
+    for old, path in killed.items():
+        wait_until(lambda path=path: not path.exists(), timeout=30)
+        assert any(e.get("pid") == old and e.get("path") == str(path) and e["model"] == "tinyv"
+                   for e in served.log_events("child.socket_dir_removed")), old
+    new_sockets = socket_dir_of(served, new_pid)
+    assert new_sockets not in killed.values() and sockets_in(new_sockets)
 
 
 def _stream_killed_after_the_first_token(
@@ -260,6 +291,7 @@ def test_ttl_stops_the_whole_process_group_and_frees_the_port(served: Corral) ->
     state = served.model("tinyv")
     pid, port = state["pid"], state["port"]
     assert len(group_of(pid)) >= 3
+    sockets = socket_dir_of(served, pid)
     config = yaml.safe_load(served.config_path.read_text())
     config["models"]["tinyv"]["ttl"] = 2
     served.config_path.write_text(yaml.safe_dump(config))
@@ -268,18 +300,26 @@ def test_ttl_stops_the_whole_process_group_and_frees_the_port(served: Corral) ->
     assert served.model("tinyv")["pid"] is None
     wait_until(lambda: not group_of(pid), timeout=20)
     assert port_is_free(port)
+    assert not sockets.exists()
     stopped = [e for e in served.log_events("daemon.ttl_expired") if e.get("model") == "tinyv"]
     assert stopped, "no ttl event for tinyv"
 
 
 @pytest.mark.expect_log(exit_code=-9)
-def test_a_killed_daemon_takes_vllms_helper_processes_with_it(served: Corral) -> None:
+def test_a_killed_daemon_takes_vllms_helper_processes_with_it(
+        served: Corral, start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
     """The kernel's parent-death signal reaches only the API server; its engine core and
-    worker are killed by corral's group keeper the moment the daemon dies."""
+    worker are killed by corral's group keeper the moment the daemon dies. The socket dir
+    the dead daemon could not remove goes at the next daemon's start."""
     assert served.chat("tinyv", max_tokens=1).status_code == 200
     pid = served.model("tinyv")["pid"]
     members = group_of(pid)
     assert len(members) >= 3
+    sockets = socket_dir_of(served, pid)
     served.proc.send_signal(signal.SIGKILL)
     served.proc.wait(10)
     wait_until(lambda: not group_of(pid), timeout=10)
+    # Its owner is gone; the next daemon removes it before it serves. (Under xdist another
+    # test's daemon may start first and remove it: gone is what counts.)
+    start_corral({"models": {"tiny-a": {"model": str(tiny_models["tiny-a"])}}})
+    assert not sockets.exists()
