@@ -8,16 +8,12 @@ import json
 from typing import Any
 
 from corral.proxy.families.wire import CHAT, Wire
+from corral.supervisor.json_bytes import compact
 
 __all__ = ["StreamRenamer", "rename_answer", "rename_request"]
 
 # The longest partial line a stream may hold back for renaming (an SSE event is far smaller).
 _LINE_LIMIT = 1 << 20
-
-
-def _dumps(value: Any) -> bytes:
-    # Compact, and UTF-8 as it came: re-encoding must not grow the body (\u escapes).
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def rename_request(body: Any, served_name: str) -> Any:
@@ -30,7 +26,7 @@ def rename_request(body: Any, served_name: str) -> Any:
         except (ValueError, RecursionError):  # a hostile upstream nests deep
             return body  # not JSON: the server says what it makes of it
         if isinstance(data, dict):
-            return _dumps({**data, "model": served_name})
+            return compact({**data, "model": served_name})
     return body
 
 
@@ -43,7 +39,7 @@ def rename_answer(payload: bytes, served_name: str, model: str, wire: Wire = CHA
         data = json.loads(payload)
     except (ValueError, RecursionError):  # a hostile upstream nests deep
         return payload
-    return _dumps(data) if wire.rename(data, served_name, model) else payload
+    return compact(data) if wire.rename(data, served_name, model) else payload
 
 
 class StreamRenamer:
@@ -83,4 +79,4 @@ class StreamRenamer:
         if not self._wire.rename(event, self._served, self._model):
             return line
         ending = line[len(line.rstrip(b"\r\n")):]
-        return b"data: " + _dumps(event) + ending
+        return b"data: " + compact(event) + ending

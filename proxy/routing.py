@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from corral.proxy.errors import UnknownGroup
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.errors import UnknownModel
+from corral.supervisor.json_bytes import compact
 from corral.supervisor.port import Supervisor
 
 
@@ -29,9 +29,7 @@ def upstream_body(raw: bytes, body: dict[str, Any], canonical: str,
     like vLLM only know that)."""
     if body.get("model") == canonical and not changed:
         return raw
-    # Compact, and UTF-8 as it came: re-encoding must not grow the body (\u escapes).
-    return json.dumps({**body, "model": canonical}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
+    return compact({**body, "model": canonical})
 
 
 def exposed_groups(daemon: Supervisor) -> dict[str, GroupSpec]:

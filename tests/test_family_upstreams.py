@@ -98,6 +98,14 @@ def answer(path: str, case: str) -> bytes:
             return _whole(json.dumps(body).encode())
         return _stream(_messages_stream(count, count) if messages
                        else _responses_stream({"input_tokens": count, "output_tokens": count}))
+    if kind == "surrogate":  # half of a UTF-16 pair, as a JSON escape (a JS server's split)
+        text = "half \ud83d"
+        if detail == "whole":
+            body = _message({"input_tokens": 1, "output_tokens": 1}, text) if messages \
+                else _response({"input_tokens": 1, "output_tokens": 1}, text)
+            return _whole(json.dumps(body).encode())
+        return _stream(_messages_stream(1, 1, text) if messages
+                       else _responses_stream({"input_tokens": 1, "output_tokens": 1}, text))
     raise AssertionError(f"no such case: {case}")
 
 
@@ -143,16 +151,18 @@ def upstream() -> Iterator[HostileUpstream]:
 def corral(start_corral_module: CorralFactory, upstream: HostileUpstream) -> Corral:
     return start_corral_module({"models": {"far": {
         "backend": "remote", "url": f"http://127.0.0.1:{upstream.port}",
-        "served_name": SERVED}}})
+        "served_name": SERVED, "aliases": ["far-alias"]}}})
+
+
+def _body(path: str, case: str, stream: bool) -> dict[str, Any]:
+    if path == "/v1/messages":
+        return {"model": "far", "max_tokens": 8, "stream": stream, "messages": [
+            {"role": "user", "content": f"case:{case}"}]}
+    return {"model": "far", "input": f"case:{case}", "stream": stream}
 
 
 def _ask(corral: Corral, path: str, case: str, stream: bool) -> httpx.Response:
-    if path == "/v1/messages":
-        body: dict[str, Any] = {"model": "far", "max_tokens": 8, "messages": [
-            {"role": "user", "content": f"case:{case}"}]}
-    else:
-        body = {"model": "far", "input": f"case:{case}"}
-    return corral.http.post(path, json={**body, "stream": stream})
+    return corral.http.post(path, json=_body(path, case, stream))
 
 
 def _last_request(corral: Corral, path: str, case_count: int) -> dict[str, Any]:
@@ -179,21 +189,14 @@ def test_token_counts_that_are_no_counts_are_not_counted(corral: Corral, path: s
     row = _last_request(corral, path, before + 1)
     assert (row["status"], row["tokens_in"], row["tokens_out"]) == (200, None, None)
 
-    with corral.http.stream("POST", path, json={**json.loads(_ask_body(path, count)),
-                                                "stream": True}) as streamed:
+    with corral.http.stream("POST", path, json=_body(path, f"stream-{count}",
+                                                     stream=True)) as streamed:
         lines = list(sse_lines(streamed))
     assert streamed.status_code == 200
     assert any("fine" in line for line in lines)
     row = _last_request(corral, path, before + 2)
     assert (row["status"], row["tokens_in"], row["tokens_out"]) == (200, None, None)
     assert "corral_prompt_tokens_total" not in _metric_lines(corral, "far")
-
-
-def _ask_body(path: str, count: str) -> str:
-    if path == "/v1/messages":
-        return json.dumps({"model": "far", "max_tokens": 8, "messages": [
-            {"role": "user", "content": f"case:stream-{count}"}]})
-    return json.dumps({"model": "far", "input": f"case:stream-{count}"})
 
 
 def _metric_lines(corral: Corral, model: str) -> str:
@@ -218,3 +221,36 @@ def test_a_members_count_past_any_float_is_not_an_answer(api: str) -> None:
                               "output_tokens": 1})}[api]
     with pytest.raises(NotAnAnswer, match="not a token count"):
         member_answer(api, data)
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_half_a_surrogate_pair_in_a_renamed_answer_goes_through(corral: Corral,
+                                                                 path: str) -> None:
+    """JSON may escape half of a UTF-16 pair ("\\ud83d"), which Python reads into a str
+    that UTF-8 cannot encode: renaming the served name back raised UnicodeEncodeError, a
+    500 for a whole answer and a stream cut off with a traceback and no error event."""
+    whole = _ask(corral, path, "surrogate-whole", stream=False)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["model"] == "far"
+    assert "half \\ud83d" in whole.text
+    with corral.http.stream("POST", path, json=_body(path, "surrogate-stream",
+                                                     stream=True)) as streamed:
+        lines = list(sse_lines(streamed))
+    assert streamed.status_code == 200
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    named = [e.get("response", e.get("message", {})).get("model") for e in events
+             if isinstance(e.get("response", e.get("message")), dict)]
+    assert named and set(named) == {"far"}, named
+    assert events[-1]["type"] in ("message_stop", "response.completed"), events[-1]
+
+
+def test_half_a_surrogate_pair_in_a_clients_body_reaches_the_model(corral: Corral) -> None:
+    """The same in a client's body that corral rewrites (an alias becomes the model's name,
+    the served name goes in): a 500 before the request left corral."""
+    raw = json.dumps({"model": "far-alias", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "case:surrogate-whole, cut in an emoji \ud83d"}]})
+    assert "\\ud83d" in raw  # escaped, as JSON.stringify writes it
+    answered = corral.http.post("/v1/messages", content=raw,
+                                headers={"Content-Type": "application/json"})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["model"] == "far"

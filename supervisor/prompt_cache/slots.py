@@ -29,6 +29,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.json_bytes import compact
 from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import (
     CHAT,
@@ -165,9 +166,7 @@ class Slots:
             # after any whitespace, and a member follows (it has a conversation).
             start = body.index(b"{") + 1
             return b'{"id_slot":%d,' % slot + bytes(body[start:])
-        # Compact, UTF-8 as it came: the body must not grow (\u escapes, spaces).
-        return json.dumps({**parsed, "id_slot": slot}, ensure_ascii=False,
-                          separators=(",", ":")).encode()
+        return compact({**parsed, "id_slot": slot})  # the body must not grow
 
     async def _ready(self, lease: Lease, slot: int, record: Record, foreign: bool) -> bool:
         """The taken `slot` made ready for `record`: erased first when it may hold another
@@ -408,4 +407,4 @@ def _without_reuse(body: Any, parsed: dict[str, Any] | None, slot: int | None = 
         changed["id_slot"] = slot
     if not isinstance(body, (bytes, bytearray)):
         return changed
-    return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact(changed)
