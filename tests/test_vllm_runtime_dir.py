@@ -1,7 +1,7 @@
 """The private socket directory a vLLM child gets (supervisor/socket_dir.py), without vLLM: its
-name and mode, the sweep of leftovers at a daemon's start (a live owner's kept, a dead one's
-removed, nothing else touched), and its removal by ChildProcess after each kind of end, with a
-shell child standing in for vLLM. tests/test_vllm.py checks the same with real vLLM children."""
+name and mode, the sweep of leftovers (a live owner's kept, a dead one's removed, nothing else
+touched) and a daemon's start running it, and its removal by ChildProcess after each kind of
+end, with a small Python child standing in for vLLM. tests/test_vllm.py checks the same with real vLLM children."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import pytest
 from corral.supervisor import socket_dir
 from corral.supervisor.process import ChildProcess
 from corral.supervisor.socket_dir import SocketDir
+
+from conftest import CorralFactory
 
 SOCKETS = SocketDir(env="CORRAL_TEST_SOCKETS", kind="test")
 # A child that binds a Unix socket in its directory, as vLLM's processes do, then waits.
@@ -98,13 +100,41 @@ def test_the_sweep_removes_only_dead_daemons_dirs(tmp_path: Path,
     assert (target / "keep").exists()
 
 
-def test_an_unreadable_owner_counts_as_alive() -> None:
-    # pid 1's start is readable; a start that cannot match says "gone", a match "alive".
+def test_an_owner_is_alive_only_with_its_start_time_or_when_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     start = socket_dir.process_start(1)
     assert start is not None
     assert socket_dir.owner_alive(1, start)
-    assert not socket_dir.owner_alive(1, start + 1)
+    assert not socket_dir.owner_alive(1, start + 1)  # pid 1 is another process than it was
     assert socket_dir.process_start(2 ** 22 + 1) is None  # above pid_max: never a process
+
+    def hidden(pid: int) -> int | None:
+        raise PermissionError(13, "hidepid")
+
+    # /proc we may not read: its owner may run, so its directory stays.
+    monkeypatch.setattr(socket_dir, "process_start", hidden)
+    assert socket_dir.owner_alive(1, start + 1)
+
+
+def test_a_daemon_start_removes_a_killed_daemons_dir(start_corral: CorralFactory,
+                                                     tiny_models: dict[str, Path]) -> None:
+    gone = subprocess.Popen(["true"])
+    tag = socket_dir.owner_tag(gone.pid)
+    gone.wait()
+    base = Path(tempfile.gettempdir())
+    dead = Path(tempfile.mkdtemp(prefix=f"corral-vllm-{tag}-", dir=base))
+    (dead / ("0" * 36)).write_text("")
+    live = Path(tempfile.mkdtemp(prefix=f"corral-vllm-{socket_dir.owner_tag()}-", dir=base))
+    try:
+        served = start_corral({"models": {"tiny-a": {"model": str(tiny_models["tiny-a"])}}})
+        # Removed before the daemon serves. (Under xdist another test's daemon may start
+        # first and remove it: gone is what counts.)
+        assert not dead.exists()
+        assert live.is_dir()  # this test's process still runs
+        assert served.http.get("/health").status_code == 200
+    finally:
+        socket_dir.remove(str(live))
+        socket_dir.remove(str(dead))
 
 
 def child(seconds: float, env: dict[str, str] | None = None) -> ChildProcess:
