@@ -1,7 +1,8 @@
 """The private socket directory a vLLM child gets (supervisor/socket_dir.py), without vLLM: its
 name and mode, the sweep of leftovers (a live owner's kept, a dead one's removed, nothing else
 touched) and a daemon's start running it, and its removal by ChildProcess after each kind of
-end, with a small Python child standing in for vLLM. tests/test_vllm.py checks the same with real vLLM children."""
+end, with a small Python child standing in for vLLM. tests/test_vllm.py checks the same with
+real vLLM children."""
 
 from __future__ import annotations
 
