@@ -38,6 +38,9 @@ CONNECT_TIMEOUT_S = 10.0
 # Body bytes buffered from the child before its socket stops being read (the client is
 # behind): the child then waits in its own send, as it would for a slow direct client.
 _HIGH = 256 * 1024
+# A response head's bytes at most (interim answers included): llhttp bounds neither a header's
+# length nor their number, and what came is held until the head is whole.
+HEAD_LIMIT = 64 * 1024
 
 
 class ChildHttpError(Exception):
@@ -366,6 +369,7 @@ class _Connection(asyncio.Protocol):
         self.reused = False  # taken from the pool for this request (not made for it)
         self._interim = False  # the message being parsed is a 1xx interim answer
         self._paused = False
+        self._head_bytes = 0  # read for the current request before its head was whole
 
     # -- asyncio ------------------------------------------------------------------------------
 
@@ -379,10 +383,17 @@ class _Connection(asyncio.Protocol):
             self.close()  # bytes nobody asked for: this connection is no longer in step
             return
         response.got_bytes = True
+        if not response.status:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             response._fail(Broken(f"the child's answer is not valid HTTP: {exc}"))
+            self.close()
+            return
+        if not response.status and self._head_bytes > HEAD_LIMIT:
+            # Still no whole head (a read that ends it may carry body bytes: not counted).
+            response._fail(Broken(f"its response head passed {HEAD_LIMIT // 1024} KiB"))
             self.close()
             return
         if response._sink is not None and response._chunks:
@@ -463,6 +474,7 @@ class _Connection(asyncio.Protocol):
                    idle_timeout: float | None) -> ChildResponse:
         assert self.transport is not None
         response = self.response = ChildResponse(self, idle_timeout)
+        self._head_bytes = 0
         # Head and body as they are (one writev): a body of the client's size is not copied.
         self.transport.writelines((head, body))
         try:

@@ -37,6 +37,9 @@ _HOP_BY_HOP = frozenset({
     "access-control-allow-origin", "access-control-allow-credentials",
     "access-control-allow-headers", "access-control-allow-methods",
     "access-control-expose-headers", "access-control-max-age",
+    # A remote's cookies (a CDN's bot cookie, a session of the operator's account) are for
+    # corral's own requests, which never send them back: to a client they only leak.
+    "set-cookie", "set-cookie2",
 })
 # A whole answer held in memory, at most (the config's max_answer_mb, where callers pass it).
 DEFAULT_ANSWER_LIMIT = 64 * 1024 * 1024

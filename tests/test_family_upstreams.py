@@ -106,16 +106,32 @@ def answer(path: str, case: str) -> bytes:
             return _whole(json.dumps(body).encode())
         return _stream(_messages_stream(1, 1, text) if messages
                        else _responses_stream({"input_tokens": 1, "output_tokens": 1}, text))
+    if kind == "cookie":  # the remote's own cookie, on a whole answer and on a stream
+        cookie = b"Set-Cookie: session=operators-own; Path=/; HttpOnly\r\n"
+        if detail == "whole":
+            body = _message({"input_tokens": 1, "output_tokens": 1}) if messages \
+                else _response({"input_tokens": 1, "output_tokens": 1})
+            return _whole(json.dumps(body).encode(), cookie)
+        return _stream(_messages_stream(1, 1) if messages
+                       else _responses_stream({"input_tokens": 1, "output_tokens": 1}), cookie)
     raise AssertionError(f"no such case: {case}")
+
+
+def endless_head(_path: str, _case: str) -> Iterator[bytes]:
+    """A status line, then one header that never ends (64 MB at most)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Endless: "
+    for _ in range(1024):
+        yield b"a" * 65536
 
 
 class HostileUpstream:
     """A raw HTTP/1.1 server in a thread: each request gets `answer(path, case)`, the case
     found in its body as `case:NAME`."""
 
-    def __init__(self, answers: Callable[[str, str], bytes]) -> None:
+    def __init__(self, answers: Callable[[str, str], bytes | Iterator[bytes]]) -> None:
         self.port = free_port()
         self.answers = answers
+        self.sent = 0  # bytes written, all requests together
         self._server = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -131,10 +147,13 @@ class HostileUpstream:
         with conn:
             for _method, path, body in requests(conn):
                 found = re.search(rb"case:([a-z0-9-]+)", body)
-                try:
-                    conn.sendall(self.answers(path, found.group(1).decode() if found else ""))
-                except OSError:
-                    return  # corral hung up
+                answered = self.answers(path, found.group(1).decode() if found else "")
+                for part in [answered] if isinstance(answered, bytes) else answered:
+                    try:
+                        conn.sendall(part)
+                    except OSError:
+                        return  # corral hung up
+                    self.sent += len(part)
 
     def close(self) -> None:
         self._server.close()
@@ -148,10 +167,21 @@ def upstream() -> Iterator[HostileUpstream]:
 
 
 @pytest.fixture(scope="module")
-def corral(start_corral_module: CorralFactory, upstream: HostileUpstream) -> Corral:
-    return start_corral_module({"models": {"far": {
-        "backend": "remote", "url": f"http://127.0.0.1:{upstream.port}",
-        "served_name": SERVED, "aliases": ["far-alias"]}}})
+def endless() -> Iterator[HostileUpstream]:
+    made = HostileUpstream(endless_head)
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, upstream: HostileUpstream,
+           endless: HostileUpstream) -> Corral:
+    corral = start_corral_module({"models": {
+        "far": {"backend": "remote", "url": f"http://127.0.0.1:{upstream.port}",
+                "served_name": SERVED, "aliases": ["far-alias"]},
+        "endless": {"backend": "remote", "url": f"http://127.0.0.1:{endless.port}"}}})
+    corral.expect("proxy.upstream_failed", "proxy.request_failed")
+    return corral
 
 
 def _body(path: str, case: str, stream: bool) -> dict[str, Any]:
@@ -254,3 +284,28 @@ def test_half_a_surrogate_pair_in_a_clients_body_reaches_the_model(corral: Corra
                                 headers={"Content-Type": "application/json"})
     assert answered.status_code == 200, answered.text
     assert answered.json()["model"] == "far"
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_remotes_cookie_never_reaches_the_client(corral: Corral, path: str) -> None:
+    """corral never sends a client's cookies on, so a remote's Set-Cookie (a CDN's bot
+    cookie, a session of the operator's account) only leaked to every client."""
+    for stream in (False, True):
+        answered = _ask(corral, path, f"cookie-{'stream' if stream else 'whole'}", stream)
+        assert answered.status_code == 200, answered.text
+        assert "fine" in answered.text
+        assert "set-cookie" not in answered.headers, answered.headers
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_response_head_that_never_ends_is_a_502_read_no_further(
+        corral: Corral, endless: HostileUpstream, path: str) -> None:
+    """llhttp bounds neither a header's length nor their number, and corral held what came
+    until first_byte_timeout (a remote on a fast link sends gigabytes by then): a head past
+    64 KiB is a broken answer now."""
+    body = _body(path, "any", stream=True)
+    answered = corral.http.post(path, json={**body, "model": "endless"})
+    assert answered.status_code == 502, answered.text
+    assert answered.json()["error"]["code"] == "upstream_failed"
+    assert "response head passed 64 KiB" in answered.json()["error"]["message"]
+    assert endless.sent < 8 * 1024 * 1024  # what filled the sockets' buffers, no more
