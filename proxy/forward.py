@@ -20,7 +20,7 @@ from corral.proxy.child_http import (
 )
 from corral.proxy.client_io import ClientWriter
 from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
-from corral.proxy.families.wire import Wire, wire_for
+from corral.proxy.families.wire import StreamHead, Wire, wire_for
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
 from corral.proxy.sse import sse_headers
 from corral.proxy.timing import RequestRecord
@@ -217,18 +217,8 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 else:
                     chunk = await upstream.chunk()
             except ChildHttpError as exc:
-                failure = _child_broken(model, exc, "mid-stream")
-                code = ("upstream_timeout" if isinstance(failure, UpstreamTimeout)
-                        else "upstream_failed")
-                log.warning("proxy.stream_broken", model=model, error=str(failure))
-                upstream.close()  # the child must see the hang-up (and drop the generation)
-                try:  # the client first, in its family's shape
-                    await out.write(wire.broken(str(failure), code, model, head))
-                finally:
-                    # Even when that write fails, stalls or is cancelled (the client gone
-                    # too): a dead child is marked failed now, a silent one probed now (and
-                    # killed when it does not answer), so the next request gets a fresh child.
-                    await lease.report_broken(timed_out=isinstance(failure, UpstreamTimeout))
+                await _end_broken(out, upstream, lease, record, wire, head,
+                                  _child_broken(model, exc, "mid-stream"))
                 break
             if not chunk:
                 if held:  # a stream too short to show its first event
@@ -237,6 +227,9 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                     rest = renamer.flush()
                     if rest:
                         await out.write(rest)
+                if tail is not None and wire.cut_short(b"".join(tail)):
+                    await _end_broken(out, upstream, lease, record, wire, head, UpstreamFailed(
+                        f"{model} ended its stream before its answer's last event"))
                 break
             if tail is not None:
                 if not tail and record is not None:
@@ -269,6 +262,27 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             if lease.restored is not None:
                 lease.reused(record.cache_n)  # the prompt cache checks its restore
     return out.response
+
+
+async def _end_broken(out: ClientWriter, upstream: ChildResponse, lease: Lease,
+                      record: RequestRecord | None, wire: Wire, head: StreamHead,
+                      failure: UpstreamFailed) -> None:
+    """End a stream that broke after its head went out: the family's error events, which
+    its SDKs raise on."""
+    timed_out = isinstance(failure, UpstreamTimeout)
+    log.warning("proxy.stream_broken", model=lease.model, error=str(failure))
+    if record is not None:
+        # The status line said 200: the record says what the client was told in the stream.
+        record.error_status = 504 if timed_out else 502
+    upstream.close()  # the child must see the hang-up (and drop the generation)
+    try:  # the client first, in its family's shape
+        await out.write(wire.broken(str(failure), "upstream_timeout" if timed_out
+                                    else "upstream_failed", lease.model, head))
+    finally:
+        # Even when that write fails, stalls or is cancelled (the client gone too): a dead
+        # child is marked failed now, a silent one probed now (and killed when it does not
+        # answer), so the next request gets a fresh child.
+        await lease.report_broken(timed_out=timed_out)
 
 
 async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: str,

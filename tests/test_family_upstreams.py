@@ -86,10 +86,12 @@ def _responses_stream(usage: dict[str, Any] | None, text: str = "fine") -> list[
                                           "response": _response(usage, text)})]
 
 
-def answer(path: str, case: str) -> bytes:
+def answer(path: str, case: str) -> bytes | Iterator[bytes | None]:
     """The raw answer to a request on `path` whose text names `case` (`kind-detail`)."""
     kind, _, detail = case.partition("-")
     messages = path == "/v1/messages"
+    if kind == "cut":
+        return cut(path, case)
     if kind in ("whole", "stream"):  # token counts that are no counts
         count = COUNTS[detail]
         if kind == "whole":
@@ -117,6 +119,28 @@ def answer(path: str, case: str) -> bytes:
     raise AssertionError(f"no such case: {case}")
 
 
+def cut(path: str, case: str) -> Iterator[bytes | None]:
+    """A stream that stops after its first text, `how`: its chunked body ended cleanly
+    (`clean`), its connection closed where the body is read to the connection's end (`eof`:
+    no length, not chunked), or its connection cut mid-chunk (`broken`). None: close."""
+    how = case.partition("-")[2]
+    events = (_messages_stream(1, 1) if path == "/v1/messages"
+              else _responses_stream({"input_tokens": 1, "output_tokens": 1}))[:2]
+    if path == "/v1/messages":  # the text's own block began too
+        events = _messages_stream(1, 1)[:3]
+    if how == "eof":
+        unframed = [e.split(b"\r\n", 1)[1][:-2] for e in events]  # the chunks' bytes
+        yield _head(b"text/event-stream", b"Connection: close\r\n\r\n") + b"".join(unframed)
+        yield None
+        return
+    yield _head(b"text/event-stream", b"Transfer-Encoding: chunked\r\n\r\n") + b"".join(events)
+    if how == "broken":
+        yield b"ff\r\nevent: content_block_delta\ndata: {"
+        yield None
+        return
+    yield b"0\r\n\r\n"
+
+
 def endless_head(_path: str, _case: str) -> Iterator[bytes]:
     """A status line, then one header that never ends (64 MB at most)."""
     yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Endless: "
@@ -128,7 +152,7 @@ class HostileUpstream:
     """A raw HTTP/1.1 server in a thread: each request gets `answer(path, case)`, the case
     found in its body as `case:NAME`."""
 
-    def __init__(self, answers: Callable[[str, str], bytes | Iterator[bytes]]) -> None:
+    def __init__(self, answers: Callable[[str, str], bytes | Iterator[bytes | None]]) -> None:
         self.port = free_port()
         self.answers = answers
         self.sent = 0  # bytes written, all requests together
@@ -149,6 +173,8 @@ class HostileUpstream:
                 found = re.search(rb"case:([a-z0-9-]+)", body)
                 answered = self.answers(path, found.group(1).decode() if found else "")
                 for part in [answered] if isinstance(answered, bytes) else answered:
+                    if part is None:
+                        return  # closed (with the connection's end, as a dead server's)
                     try:
                         conn.sendall(part)
                     except OSError:
@@ -180,7 +206,7 @@ def corral(start_corral_module: CorralFactory, upstream: HostileUpstream,
         "far": {"backend": "remote", "url": f"http://127.0.0.1:{upstream.port}",
                 "served_name": SERVED, "aliases": ["far-alias"]},
         "endless": {"backend": "remote", "url": f"http://127.0.0.1:{endless.port}"}}})
-    corral.expect("proxy.upstream_failed", "proxy.request_failed")
+    corral.expect("proxy.upstream_failed", "proxy.request_failed", "proxy.stream_broken")
     return corral
 
 
@@ -304,8 +330,55 @@ def test_a_response_head_that_never_ends_is_a_502_read_no_further(
     until first_byte_timeout (a remote on a fast link sends gigabytes by then): a head past
     64 KiB is a broken answer now."""
     body = _body(path, "any", stream=True)
+    sent = endless.sent
     answered = corral.http.post(path, json={**body, "model": "endless"})
     assert answered.status_code == 502, answered.text
     assert answered.json()["error"]["code"] == "upstream_failed"
     assert "response head passed 64 KiB" in answered.json()["error"]["message"]
-    assert endless.sent < 8 * 1024 * 1024  # what filled the sockets' buffers, no more
+    # What filled the sockets' buffers, no more (of the 64 MB it would send).
+    assert endless.sent - sent < 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize("how", ["clean", "eof", "broken"])
+def test_a_stream_that_stops_before_its_last_event_ends_in_the_familys_error(
+        corral: Corral, path: str, how: str) -> None:
+    """A stream that stopped after its first text: cut mid-chunk it ended in the family's
+    error, but was accounted a 200; ended cleanly, or by the connection's end where that is
+    the body's (a server without framing that died), the client was told nothing at all and
+    its SDK took the half answer for a whole one."""
+    before = len([r for r in corral.http.get("/admin/requests?limit=200").json()["requests"]
+                  if r["endpoint"] == path])
+    with corral.http.stream("POST", path, json=_body(path, f"cut-{how}", stream=True)) as got:
+        lines = list(sse_lines(got))
+    assert got.status_code == 200
+    assert any("fine" in line for line in lines), lines
+    events = [line[6:].strip() for line in lines if line.startswith("event:")]
+    assert events[-1] == "error", events
+    last = json.loads(lines[[n for n, line in enumerate(lines)
+                             if line.startswith("data:")][-1]][5:])
+    message = last["error"]["message"] if path == "/v1/messages" else last["message"]
+    assert "far " in message and "request id" in message, last
+    if path == "/v1/responses":
+        assert events[-2] == "response.failed", events
+    row = _last_request(corral, path, before + 1)
+    assert row["status"] == 502, row
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_whole_stream_followed_by_done_is_no_cut(corral: Corral, path: str) -> None:
+    """The check above reads the stream's last event: a `data: [DONE]` a server adds after
+    it, CRLF line ends, or comments are no cut."""
+    from corral.proxy.families.wire import MESSAGES, RESPONSES
+
+    wire = MESSAGES if path == "/v1/messages" else RESPONSES
+    events = (_messages_stream(1, 1) if path == "/v1/messages"
+              else _responses_stream({"input_tokens": 1, "output_tokens": 1}))
+    stream = b"".join(e.split(b"\r\n", 1)[1][:-2] for e in events)
+    for tail in (stream, stream + b"data: [DONE]\n\n", stream + b": ping\n\n",
+                 stream.replace(b"\n", b"\r\n"), stream[-40:]):
+        assert not wire.cut_short(tail), tail
+    # Without its last event, with nothing, with its last event never ended (a client
+    # discards that one).
+    for tail in (stream[:stream.rindex(b"event:")], b"", stream[:-3]):
+        assert wire.cut_short(tail), tail

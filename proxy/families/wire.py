@@ -117,6 +117,45 @@ class Wire:
         """Take what the stream's first event says into `head`; whether it was that event."""
         return True
 
+    # The events after which this family's stream is over: its whole answer, or its own
+    # error (the client was told). Empty for chat: not every server of it sends `[DONE]`.
+    final_events: frozenset[bytes] = frozenset()
+
+    def cut_short(self, tail: bytes) -> bool:
+        """Whether a stream that ended cleanly with `tail` (its last bytes) stopped before the
+        event that ends this family's answer: a server that died under an answer whose end
+        is its connection's, or that closed its stream early. Said only where the tail shows
+        the last event whole (a Responses stream's last event holds the whole answer, and
+        may begin before the tail); a `data: [DONE]` or a comment after it is no event."""
+        if not self.final_events:
+            return False
+        # An event ends at a blank line: what follows the last one is an event never ended,
+        # which a client discards.
+        blocks = tail.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]
+        for n in range(len(blocks) - 1, -1, -1):
+            lines = [line for line in blocks[n].split(b"\n")
+                     if line and not line.startswith(b":")]
+            if not lines or lines == [DONE.rstrip(b"\n")]:
+                continue
+            if n == 0 and not lines[0].startswith((b"event:", b"data:")):
+                return False  # the tail begins inside this event: its name is not seen
+            return _event_name(lines) not in self.final_events
+        return not tail.strip()  # nothing at all; or comments only, after events unseen
+
+
+def _event_name(lines: list[bytes]) -> bytes:
+    """An event's name: its `event:` line, else the `type` its data says (b"" for none)."""
+    for line in lines:
+        if line.startswith(b"event:"):
+            return line[6:].strip()
+    data = b"\n".join(line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:"))
+    try:
+        event = json.loads(data)
+    except (ValueError, RecursionError):  # json's own limit: ~1000 levels
+        return b""
+    kind = event.get("type") if isinstance(event, dict) else None
+    return kind.encode() if isinstance(kind, str) else b""
+
 
 class ResponsesWire(Wire):
     """OpenAI's Responses API."""
@@ -124,6 +163,7 @@ class ResponsesWire(Wire):
     name = "responses"
     end = b""
     last_events = frozenset({b"response.completed", b"response.incomplete"})
+    final_events = last_events | {b"response.failed", b"error"}
     nested = ("response",)
     reads_head = True  # the response's id, for the `response.failed` that may end it
 
@@ -168,6 +208,7 @@ class MessagesWire(Wire):
     name = "messages"
     end = b""
     last_events = frozenset({b"message_stop"})
+    final_events = last_events | {b"error"}
     nested = ("message",)
     reads_head = True  # message_start: the input tokens
 
