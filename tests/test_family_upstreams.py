@@ -382,3 +382,15 @@ def test_a_whole_stream_followed_by_done_is_no_cut(corral: Corral, path: str) ->
     # discards that one).
     for tail in (stream[:stream.rindex(b"event:")], b"", stream[:-3]):
         assert wire.cut_short(tail), tail
+
+
+def test_a_speed_of_infinity_is_not_kept() -> None:
+    """Python's json reads Infinity: a child's speed of it went into /admin/requests, which
+    then wrote no JSON a browser parses (the status page reads it)."""
+    from corral.proxy.timing import RequestRecord
+
+    record = RequestRecord("far", "/v1/chat/completions")
+    record.read_usage(b'{"timings": {"predicted_per_second": Infinity, '
+                      b'"prompt_per_token_ms": 1e999, "predicted_n": -3}}')
+    assert (record.tokens_per_s, record.prompt_ms_per_token, record.completion_tokens) \
+        == (None, None, None)
