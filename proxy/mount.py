@@ -231,16 +231,11 @@ class Load:
     def of(cls, daemon: Supervisor, target: ModelTarget | GroupTarget) -> Load:
         canonical, states = _states(daemon, target)
         # A group may name its members by alias: the instances carry canonical names.
-        members = {daemon.resolve(m) for m in target.group.models} \
-            if isinstance(target, GroupTarget) else {target.name}
-        running = queued = slots = 0
-        for inst in daemon.describe():
-            if (inst.get("replica_of") or inst["name"]) in members:
-                running += inst["in_flight"]
-                queued += inst["queue"]
-                slots += inst["parallel"]
+        members = [c for c in map(daemon.resolve, target.group.models) if c is not None] \
+            if isinstance(target, GroupTarget) else [target.name]
+        now = daemon.requests_now(members)
         ready = bool(states) and all(s is State.READY for s in states)
-        return cls(canonical, running, queued, slots, ready)
+        return cls(canonical, now.in_flight, now.queued, now.slots, ready)
 
     def total(self) -> int:
         """vllm-router's one number: requests in flight and waiting, the cold penalty in."""

@@ -155,6 +155,15 @@ class Lease:
         return await self._owner._broken(self, timed_out)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestsNow:
+    """A model's requests at this moment, over all its instances."""
+
+    in_flight: int
+    queued: int
+    slots: int  # the requests its children take at once (each one's `parallel`)
+
+
 class Reservation(Protocol):
     """A group's hold on its members: held models count as busy."""
 
@@ -193,6 +202,7 @@ class Supervisor(Protocol):
     def ready_now(self, name: str) -> bool: ...
     def describe(self) -> list[dict[str, Any]]: ...
     def describe_one(self, name: str) -> dict[str, Any]: ...
+    def requests_now(self, names: Iterable[str]) -> RequestsNow: ...
     def child_logs(self, key: str, lines: int) -> dict[str, Any]: ...
     def follow_logs(self, key: str, lines: int,
                     idle: float) -> AsyncGenerator[dict[str, Any], None]: ...

@@ -42,7 +42,7 @@ from corral.supervisor.events import EventBus
 from corral.supervisor.instance import State
 from corral.supervisor.memory.tracker import MemoryTracker
 from corral.supervisor.model import Model
-from corral.supervisor.port import Lease, ModelStatus, Reservation
+from corral.supervisor.port import Lease, ModelStatus, RequestsNow, Reservation
 from corral.supervisor.process import KILL_WAIT_S
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.pull import Puller
@@ -272,6 +272,9 @@ class Daemon:
 
     def describe_one(self, name: str) -> dict[str, Any]:
         return self.read_model.describe_one(name)
+
+    def requests_now(self, names: Iterable[str]) -> RequestsNow:
+        return self.read_model.requests_now(names)
 
     def child_logs(self, key: str, lines: int) -> dict[str, Any]:
         return self.read_model.child_logs(key, lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
 from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
@@ -21,7 +21,7 @@ from corral.supervisor.memory.gguf_info import describe_gguf
 from corral.supervisor.memory.tracker import MemoryTracker, mib_map
 from corral.supervisor.memory.view import MIB
 from corral.supervisor.model import Model
-from corral.supervisor.port import ModelStatus
+from corral.supervisor.port import ModelStatus, RequestsNow
 from corral.supervisor.rpc.plan import layer_need
 
 
@@ -42,6 +42,20 @@ class ReadModel:
         now = time.monotonic()
         return [self._admin_view(m, r, now) for m in self._herd.models.values()
                 for r in m.members]
+
+    def requests_now(self, names: Iterable[str]) -> RequestsNow:
+        """The requests in flight and queued and the slots over every instance of these
+        models (canonical names; unknown ones count nothing): what a router polls for each
+        model, so it reads three counters an instance instead of describe()'s whole view of
+        every instance."""
+        running = queued = slots = 0
+        for name in set(names):
+            model = self._herd.models.get(name)
+            for inst in model.members if model is not None else ():
+                running += inst.in_flight
+                queued += inst.queued
+                slots += inst.spec.parallel
+        return RequestsNow(running, queued, slots)
 
     def describe_one(self, name: str) -> dict[str, Any]:
         """The admin view of one model's instance named like it (an alias resolves)."""
