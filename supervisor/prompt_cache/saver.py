@@ -252,6 +252,14 @@ class Saver:
             if status != 200 or not isinstance(data, dict):
                 raise RuntimeError(f"slot {slot}: save answered {status}: {str(data)[:200]}")
             size, digest = await asyncio.to_thread(fingerprint, store.dir / part)
+            written = data.get("n_written")
+            if isinstance(written, int) and written != size:
+                # A full disk at the file's end: llama-server's last buffered write fails at
+                # its close, unchecked, and it answers 200 all the same. Indexed, the short
+                # file would make the child that restores it abort (and supersede the whole
+                # file of the same conversation).
+                raise OSError(f"slot {slot}: the child wrote {written} bytes, {size} reached "
+                              f"the disk (disk full?)")
             now = time.time()
             store.commit(part, Entry(file=name, key=key, model=slots.model, tokens=tokens,
                                      n_tokens=int(data.get("n_saved") or len(tokens)),
