@@ -96,7 +96,14 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         if daemon.closing:
             raise ShuttingDown("corral is shutting down")
         # The reload is the daemon's task: a client that hangs up does not stop it halfway.
-        attempt = await asyncio.shield(daemon.reload("admin"))
+        try:
+            attempt = await asyncio.shield(daemon.reload("admin"))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if (task is not None and task.cancelling()) or not daemon.closing:
+                raise  # the client hung up
+            # The shutdown cancelled the reload (not applied): say so, not a dropped answer.
+            raise ShuttingDown("corral is shutting down; the reload was not applied") from None
         body: dict[str, Any] = attempt.as_dict()
         if attempt.ok:
             return web.json_response(body)

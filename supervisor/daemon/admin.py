@@ -5,14 +5,21 @@ wins over whatever the model was doing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import structlog
 
 from corral.supervisor.daemon.door import Door
 from corral.supervisor.daemon.herd import Herd
-from corral.supervisor.errors import InUse, NotAllowed, NotServed, SupervisorError, Unloaded
+from corral.supervisor.errors import (
+    InUse,
+    NotAllowed,
+    NotServed,
+    ShuttingDown,
+    SupervisorError,
+    Unloaded,
+)
 from corral.supervisor.instance import State
 from corral.supervisor.model import Model, OperationRefused
 from corral.supervisor.model.overrides import (
@@ -71,8 +78,25 @@ class Admin:
             model.overrides = checked
         work = self._restart(model, checked, unloads) if restarts else \
             self._load_with(model, checked, unloads)
-        await self._tasks.run(work, f"load:{model.name}")
+        await self._run(work, f"load:{model.name}")
         return model.name
+
+    async def _run(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` as the daemon's task and wait for it. The shutdown cancels the daemon's
+        tasks: the caller, who is not cancelled, is told so (503 shutting_down) rather than
+        handed the task's cancellation (its client got no answer at all). Checked with no
+        await before the spawn: a scope closed by the shutdown takes no task (ScopeClosed,
+        a 500)."""
+        if self._herd.closing:
+            work.close()
+            raise ShuttingDown("corral is shutting down")
+        try:
+            await self._tasks.run(work, name)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if (task is not None and task.cancelling()) or not self._herd.closing:
+                raise  # the caller itself went away (its client hung up)
+            raise ShuttingDown(f"corral is shutting down: {name} was called off") from None
 
     async def _load_with(self, model: Model, overrides: Overrides, unloads: int) -> None:
         try:
@@ -128,6 +152,8 @@ class Admin:
         shape llama.cpp's router and Open WebUI expect of POST /models/load. A failure shows
         in the model's state and last_error, and in the log."""
         model = self._herd.model(name)  # an unknown name fails now, not in the background
+        if self._herd.closing:  # its task would be cancelled, or refused (ScopeClosed: 500)
+            raise ShuttingDown("corral is shutting down")
         model.want()
         self._tasks.spawn(self._load_quietly(model), f"load:{model.name}")
         return model.name
@@ -165,7 +191,7 @@ class Admin:
         model = self._herd.model(name)
         if not model.spec.rpc_workers:
             raise NotServed(f"{name} is not split over RPC workers: nothing to rebalance")
-        await self._tasks.run(self._rebalance(model), f"rebalance:{model.name}")
+        await self._run(self._rebalance(model), f"rebalance:{model.name}")
         return model.name
 
     async def _rebalance(self, model: Model) -> None:

@@ -1,0 +1,93 @@
+"""A model's lifecycle under races, on real daemons over tests/fake_upstream.py children (a
+`llama-server` stand-in that starts in milliseconds, or after FAKE_UPSTREAM_DELAY seconds):
+what the client is told, what /admin/models ends in, what is left behind."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from lifecycle_harness import FAKE
+
+from conftest import CorralFactory, wait_until
+
+
+def _config(tiny_models: dict[str, Path], **settings: Any) -> dict[str, Any]:
+    return {"binary": str(FAKE), "defaults": {"ttl": 300, "stop_grace": 1},
+            "models": {"m": {"model": str(tiny_models["tiny-a"]), **settings}}}
+
+
+def _in_thread(call: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["response"] = call()
+        except httpx.HTTPError as exc:  # the failure the test looks for: no answer at all
+            out["error"] = repr(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_load_waiting_for_its_start_at_shutdown_is_told_so(start_corral: CorralFactory,
+                                                              tiny_models: dict[str, Path]):
+    """Before: SIGTERM while `POST /admin/models/m/load` waited for a slow start cancelled the
+    daemon's load task, and its cancellation became the handler's: the client got no answer
+    ('Server disconnected without sending a response'; `corral load` a connection error),
+    while a chat request waiting on the same start got a 503 shutting_down."""
+    corral = start_corral(_config(tiny_models, env={"FAKE_UPSTREAM_DELAY": "5"}))
+    corral.expect("proxy.request_failed")  # the chat's 503, logged as every 5xx is
+    load, loaded = _in_thread(lambda: httpx.post(corral.url + "/admin/models/m/load",
+                                                 timeout=30))
+    chat, chatted = _in_thread(lambda: corral.chat("m", timeout=30))
+    wait_until(lambda: corral.model("m")["state"] == "starting"
+               and corral.model("m")["queue"] == 2)
+    corral.proc.send_signal(signal.SIGTERM)
+    load.join(30)
+    chat.join(30)
+    for out in (loaded, chatted):
+        assert "response" in out, out
+        response = out["response"]
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "shutting_down"
+    assert corral.proc.wait(30) == 0
+
+
+def test_a_reload_cut_short_by_shutdown_is_told_so(start_corral: CorralFactory,
+                                                   tiny_models: dict[str, Path],
+                                                   tmp_path: Path):
+    """Before: SIGTERM while `POST /admin/reload` read the new config (here a strategy plugin
+    slow to import) cancelled the reload task, and the handler, waiting on it, passed the
+    cancellation on: the client got no answer at all. Now a 503 shutting_down; the reload is
+    not applied (and the log says so)."""
+    first = tmp_path / "corral.yaml"
+    first.write_text(yaml.safe_dump(_config(tiny_models)))
+    # No file watcher: the reload is the request's own.
+    corral = start_corral.spawn(["-c", str(first), "--no-watch"], first)
+    # "cancelled: corral is shutting down; not applied"; the 503, logged as every 5xx is
+    corral.expect("daemon.reload_failed", "proxy.request_failed")
+    began = tmp_path / "import-began"
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\n"
+        "from corral.supervisor.policy import Generic\n"
+        f"pathlib.Path({str(began)!r}).touch()\n"
+        "time.sleep(2)\n"
+        "class Slow(Generic):\n"
+        "    pass\n")
+    config = _config(tiny_models)
+    config["policy"] = {"strategy": f"plugin:{tmp_path / 'slow.py'}:Slow"}
+    first.write_text(yaml.safe_dump(config))
+    reload, reloaded = _in_thread(lambda: httpx.post(corral.url + "/admin/reload", timeout=30))
+    wait_until(began.exists)
+    corral.proc.send_signal(signal.SIGTERM)
+    reload.join(30)
+    assert "response" in reloaded, reloaded
+    assert reloaded["response"].status_code == 503, reloaded["response"].text
+    assert reloaded["response"].json()["error"]["code"] == "shutting_down"
+    assert corral.proc.wait(30) == 0
