@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_prompt_cache import _conversation, _files, _restored
+import yaml
+from test_prompt_cache import _cold, _conversation, _files, _next_turn, _restored
 
 from conftest import Corral, CorralFactory, llama_server_binary, wait_until
 
@@ -84,3 +85,29 @@ def test_a_save_cut_short_by_a_full_disk_is_never_indexed(start_corral: CorralFa
     assert resp.status_code == 200, resp.text
     assert _restored(resp.json(), resp.headers)
     assert corral.model("smol")["state"] == "ready"
+
+
+def test_a_reload_that_changes_llama_servers_flags_in_env_gets_a_new_key(
+        start_corral: CorralFactory, smol_model: Path) -> None:
+    """LLAMA_ARG_ROPE_FREQ_BASE is --rope-freq-base given through the environment: the KV of
+    a child started with another RoPE base is rotated under the old one, and restored into
+    the new child it would be reused as if valid."""
+    config: dict[str, Any] = {
+        "defaults": {"ttl": 300, "stop_grace": 5},
+        "prompt_cache": {"min_tokens": 64, "idle_save_after": 0},
+        "models": {"smol": {"model": str(smol_model), "ctx": 2048, "threads": 1}}}
+    corral = start_corral(config)
+    messages = _conversation("the chapel")
+    first = _turn(corral, messages)
+    assert first.status_code == 200 and _cold(first.json())
+
+    config["models"]["smol"]["env"] = {"LLAMA_ARG_ROPE_FREQ_BASE": "50000"}
+    corral.config_path.write_text(yaml.safe_dump(config))
+    assert corral.http.post("/admin/reload").status_code == 200
+    wait_until(lambda: corral.log_events("prompt_cache.saved"), timeout=30)
+
+    again = _turn(corral, _next_turn(messages, first.json(), "And another?"))
+    assert again.status_code == 200, again.text
+    assert _cold(again.json()), again.json()["timings"]
+    assert "prompt-cache" not in again.headers.get("Server-Timing", "")
+    assert not corral.log_events("prompt_cache.restored")

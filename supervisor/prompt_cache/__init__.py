@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,7 +79,8 @@ class PromptCache:
         each file it maps (the model, all its parts if split, the mmproj: path, device,
         inode, size, mtime and a hash of the GGUF header and tensor index), the context per
         slot, the cache types, the user's extra flags (flash attention, rope, ... change the
-        layout), the RPC workers and the llama-server build. Any difference: never
+        layout), given as `args` or as llama-server's LLAMA_ARG_* variables in `env`, the RPC
+        workers and the llama-server build. Any difference: never
         restored. Raises OSError."""
         # Every part of a split model (llama-server maps them all), then the projector.
         paths = [*shards(Path(spec.model_path)), *([spec.mmproj] if spec.mmproj else [])]
@@ -97,6 +98,9 @@ class PromptCache:
                  "cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v,
                  "args": list(spec.args), "rpc": list(spec.rpc_servers),
                  "build": build.result()}
+        env = _kv_env(spec.env)
+        if env:  # absent when none: the keys of setups without any stay as they were
+            parts["env"] = env
         key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
         return Setup(key, files)
 
@@ -114,3 +118,13 @@ class PromptCache:
         settings = self.settings()
         return {"enabled": settings.enabled, "min_tokens": settings.min_tokens,
                 "idle_save_after": settings.idle_save_after, **self.store.status()}
+
+
+def _kv_env(env: Mapping[str, str]) -> list[list[str]]:
+    """The model's `env` entries that llama-server reads as flags (LLAMA_ARG_ROPE_FREQ_BASE is
+    --rope-freq-base, LLAMA_ARG_CACHE_TYPE_K where corral passes no --cache-type-k, ...):
+    part of the key as `args` are, or a child started with another RoPE base would restore
+    KV rotated under the old one. Never a secret's value (a key, a token: no flag of the KV)."""
+    return sorted([name, value] for name, value in env.items()
+                  if name.startswith("LLAMA_ARG_")
+                  and not any(word in name for word in ("KEY", "TOKEN")))
