@@ -4,14 +4,19 @@ what the client is told, what /admin/models ends in, what is left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
-from lifecycle_harness import FAKE
+from lifecycle_harness import FAKE, config_text, running
+
+from corral.supervisor.errors import SettingsDiffer
+from corral.supervisor.instance import State
 
 from conftest import CorralFactory, wait_until
 
@@ -91,3 +96,29 @@ def test_a_reload_cut_short_by_shutdown_is_told_so(start_corral: CorralFactory,
     assert reloaded["response"].status_code == 503, reloaded["response"].text
     assert reloaded["response"].json()["error"]["code"] == "shutting_down"
     assert corral.proc.wait(30) == 0
+
+
+def test_a_reload_that_changes_the_model_during_a_load_with_overrides_wins(
+        tiny_models: dict[str, Path], tmp_path: Path):
+    """Before: a reload that changed `m` (ctx 512 -> 1024) while `load m {"ctx": 256}` waited
+    for its start restarted it with the load's claim still in force: the child ran ctx 256,
+    masking the reload's change (docs/api.md: such a reload ends the overrides), and the load
+    answered 200. Now the restart runs the new config and the load is a 409 settings_differ
+    naming what runs."""
+    models = {"m": {"model": str(tiny_models["tiny-a"]), "env": {"FAKE_UPSTREAM_DELAY": "0.5"}}}
+
+    async def scenario() -> None:
+        async with running(config_text(models), tmp_path) as h:
+            load = asyncio.ensure_future(h.daemon.load("m", {"ctx": 256}))
+            await h.until(lambda: h.inst("m").state is State.STARTING, what="starting")
+            models["m"]["ctx"] = 1024
+            await h.reload(config_text(models))
+            with pytest.raises(SettingsDiffer, match="ctx 1024"):
+                await load
+            await h.until(lambda: h.inst("m").state is State.READY, what="ready")
+            inst = h.inst("m")
+            assert inst.started_with.ctx == 1024, h.states()
+            assert not inst.started_with.overrides
+            assert not h.daemon.herd.models["m"].overrides
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -102,6 +102,7 @@ class Admin:
         try:
             _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)
+            _refuse_if_overtaken(model, overrides)
         finally:
             if overrides and model.overrides is overrides:
                 model.overrides = Overrides()
@@ -124,6 +125,7 @@ class Admin:
                 await asyncio.wait([task])
             _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)  # raises what the restart hit
+            _refuse_if_overtaken(model, overrides)
         finally:
             if model.overrides is overrides:
                 model.overrides = Overrides()
@@ -209,6 +211,23 @@ class Admin:
 def _refuse_if_unloaded(model: Model, seen: int) -> None:
     if model.primary.unloads != seen:
         raise Unloaded(f"{model.name} was unloaded while this load was under way")
+
+
+def _refuse_if_overtaken(model: Model, overrides: Overrides) -> None:
+    """A load answers 200 only over the settings it asked for: a reload that changed the
+    model meanwhile ended its overrides (Model.call_off), and the child now runs the new
+    config."""
+    if not overrides:
+        return
+    for replica in model.members:
+        if replica.state is State.READY:
+            differs = running_differs(overrides.apply(replica.spec), replica.started_with)
+            if differs:
+                runs = ", ".join(f"{f} {getattr(replica.started_with, f)}" for f in differs)
+                raise SettingsDiffer(
+                    f"a reload changed {model.name} while this load was under way: it runs "
+                    f"the new config ({runs}), not {_said(overrides)}; load it again with "
+                    f"\"restart\": true for these")
 
 
 def _said(overrides: Overrides) -> str:

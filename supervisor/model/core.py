@@ -277,7 +277,10 @@ class Model:
 
     def call_off(self, why: str) -> None:
         """A newer config change overtakes the operation under way: it is cancelled now, and
-        the new child of a switch-over stops (its room is free for what comes next)."""
+        the new child of a switch-over stops (its room is free for what comes next). A load's
+        overrides end too: the next start runs the new config (the load is told, not answered
+        with settings it did not ask for); else they would mask what the reload changed."""
+        self.overrides = Overrides()
         if self._op is not None:
             self._op.task.cancel()
             self._op = None
