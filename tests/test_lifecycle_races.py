@@ -15,7 +15,7 @@ import pytest
 import yaml
 from lifecycle_harness import FAKE, config_text, running
 
-from corral.supervisor.errors import SettingsDiffer
+from corral.supervisor.errors import SettingsDiffer, Unloaded
 from corral.supervisor.instance import State
 
 from conftest import CorralFactory, wait_until
@@ -120,5 +120,31 @@ def test_a_reload_that_changes_the_model_during_a_load_with_overrides_wins(
             assert inst.started_with.ctx == 1024, h.states()
             assert not inst.started_with.overrides
             assert not h.daemon.herd.models["m"].overrides
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_an_unload_during_a_rebalance_leaves_the_model_stopped(tiny_models: dict[str, Path],
+                                                               tmp_path: Path):
+    """Before: an unload while a rebalance (RPC workers back: drain, stop, start again) drained
+    the model joined the rebalance's stop and answered `stopped`; then the rebalance started
+    the model again. An unload wins: the rebalance is called off (Unloaded)."""
+    models = {"m": {"model": str(tiny_models["tiny-a"]), "stop_grace": 2}}
+
+    async def scenario() -> None:
+        async with running(config_text(models), tmp_path) as h:
+            await h.daemon.load("m")
+            lease = await h.daemon.acquire("m")  # in flight: the rebalance drains it first
+            model = h.daemon.herd.models["m"]
+            # What POST /admin/models/m/rebalance runs for a model split over RPC workers.
+            rebalance = asyncio.ensure_future(h.daemon.admin._rebalance(model))
+            await h.until(lambda: h.inst("m").state is State.DRAINING, what="draining")
+            unload = asyncio.ensure_future(h.daemon.unload("m"))
+            lease.release()
+            assert (await unload).state is State.STOPPED
+            with pytest.raises(Unloaded):
+                await rebalance
+            assert h.inst("m").state is State.STOPPED, h.states()
+            assert not h.children()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

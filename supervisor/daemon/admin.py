@@ -197,13 +197,19 @@ class Admin:
         return model.name
 
     async def _rebalance(self, model: Model) -> None:
+        # An unload from now on wins: one that joins this stop must not see the model started
+        # again right after it (the check and the load's own watch begin with no await).
+        unloads = model.primary.unloads
         await model.primary.stop("rebalance", drain=self._herd.drain_seconds(),
                                  cause="rebalance")
+        _refuse_if_unloaded(model, unloads)
         await self._load(model, ignore_backoff=True)
 
     async def rebalance_quietly(self, name: str) -> None:
         try:
             await self.rebalance(name)
+        except Unloaded as exc:  # an unload asked meanwhile wins: not a failure
+            log.info("daemon.rebalance_called_off", model=name, reason=str(exc))
         except SupervisorError as exc:  # the next request tries again
             log.warning("daemon.rebalance_failed", model=name, error=str(exc))
 
