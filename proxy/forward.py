@@ -81,8 +81,11 @@ async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body:
     }
     for attempt in (1, 2, 3):
         try:
-            return await pool.post(lease.base_url, path, headers, body,
-                                   lease.first_byte_timeout, lease.idle_timeout)
+            response = await pool.post(lease.base_url, path, headers, body,
+                                       lease.first_byte_timeout, lease.idle_timeout)
+            if response.status >= 400:
+                lease.refused()  # the prompt cache: its slot may not hold this request
+            return response
         except Silent as exc:
             raise UpstreamTimeout(
                 f"{model} sent no response within {lease.first_byte_timeout:g}s "

@@ -80,6 +80,7 @@ class PromptSlots(Protocol):
                   parsed: dict[str, Any] | None = None, caller: str | None = None) -> Any: ...
     def unpin(self, lease: Lease) -> None: ...
     def verify(self, restored: Restored, cache_n: int | None) -> None: ...
+    def refused(self, lease: Lease) -> None: ...
 
 
 class LeaseOwner(Protocol):
@@ -136,6 +137,14 @@ class Lease:
         did not reuse turns restores of that setup off (the prompt cache's verify)."""
         if self.restored is not None and self._prompt_slots is not None:
             self._prompt_slots.verify(self.restored, cache_n)
+
+    def refused(self) -> None:
+        """The child answered this request with an error status (a 400 for a field it does
+        not take, a prompt over its context): it may never have touched the slot, which then
+        holds what it held before, not this request. The prompt cache never saves that slot
+        under this request's tokens (the file would hold another conversation's KV)."""
+        if self.slot is not None and self._prompt_slots is not None:
+            self._prompt_slots.refused(self)
 
     def release(self) -> None:
         if not self._released:

@@ -1,12 +1,16 @@
-"""A prompt cache you can trust: what a save on a full disk leaves behind is never indexed (a
-truncated file restored makes llama-server abort), and what changes a KV cache's meaning
-through the child's environment is in the setup key.
+"""A prompt cache you can trust: a file is indexed only under tokens it holds, and only what
+reached the disk whole. A save the disk cut short at its end is never indexed (a truncated
+file restored makes llama-server abort); a slot whose last request the child refused (400),
+or whose prompt was cut short, is not saved under that request's tokens; what changes a KV
+cache's meaning through the child's environment is in the setup key.
 
-A real llama-server child (SmolLM2) behind a wrapper that gives it a file-size limit: the
-disk is "full" at a byte count the test picks, with no root and no tmpfs."""
+Real llama-server children (SmolLM2), one behind a wrapper that gives it a file-size limit:
+the disk is "full" at a byte count the test picks, with no root and no tmpfs. A fake child
+(test_prompt_cache_files) where its behaviour is not the point."""
 
 from __future__ import annotations
 
+import asyncio
 import stat
 import sys
 from pathlib import Path
@@ -14,6 +18,10 @@ from typing import Any
 
 import yaml
 from test_prompt_cache import _cold, _conversation, _files, _next_turn, _restored
+from test_prompt_cache_files import _cache, _Child, _record, _saver
+
+from corral.supervisor.prompt_cache.choice import Record
+from corral.supervisor.prompt_cache.store import SUFFIX
 
 from conftest import Corral, CorralFactory, llama_server_binary, wait_until
 
@@ -111,3 +119,60 @@ def test_a_reload_that_changes_llama_servers_flags_in_env_gets_a_new_key(
     assert _cold(again.json()), again.json()["timings"]
     assert "prompt-cache" not in again.headers.get("Server-Timing", "")
     assert not corral.log_events("prompt_cache.restored")
+
+
+_SCRIBE = [{"role": "system", "content": "You are a scribe. " + " ".join(
+    f"Line {i}: the scribe copies page {i} of the ledger by candlelight." for i in range(12))},
+    {"role": "user", "content": "Which page comes first?"}]
+
+
+def test_a_request_the_child_refused_is_never_saved_as_its_slot(start_corral: CorralFactory,
+                                                                smol_model: Path) -> None:
+    """A request llama-server answers 400 (a field of the wrong type) never touches its slot, which
+    still holds the conversation before it: saved under the refused request's tokens, the
+    file would claim a prefix it does not hold, its restore would go unused, and that would
+    turn every restore of the setup off."""
+    corral = start_corral({
+        "defaults": {"ttl": 300, "stop_grace": 5},
+        "prompt_cache": {"min_tokens": 64, "idle_save_after": 0},
+        "models": {"smol": {"model": str(smol_model), "ctx": 2048, "threads": 1}}})
+    assert _turn(corral, _conversation("the bridge")).status_code == 200
+    refused = corral.http.post("/v1/chat/completions", json={
+        "model": "smol", "messages": _SCRIBE, "max_tokens": 8, "n_probs": "many"})
+    assert refused.status_code == 400, refused.text
+    corral.http.post("/admin/models/smol/unload").raise_for_status()
+    wait_until(lambda: corral.model("smol")["state"] == "stopped", timeout=30)
+    # A file holds the prompt it is indexed under and that prompt's answer (8 tokens), not
+    # another conversation's KV.
+    assert all(0 <= f["tokens"] - f["prompt_tokens"] <= 8 for f in _files(corral)), \
+        _files(corral)
+
+    answer = _turn(corral, _SCRIBE)
+    assert answer.status_code == 200, answer.text
+    status = corral.http.get("/admin/prompt-cache").json()
+    assert status["unused_restores"] == 0 and status["restores_off"] == 0, status
+    assert not corral.log_events("prompt_cache.restore_unused")
+
+
+class _CutShort(_Child):
+    """A child whose slot holds fewer tokens than its last request's prompt: the prefill was
+    cut short (the client hung up mid-way), or the context shifted."""
+
+    async def tokens(self, record: Record) -> list[int]:
+        return list(range(self.n_tokens * 2))
+
+
+def test_a_slot_holding_less_than_its_last_prompt_is_not_saved_as_it(tmp_path: Path) -> None:
+    async def run() -> None:
+        cache = _cache(tmp_path, max_mb=64)
+        child = _CutShort(cache)
+        child.records[0] = _record()
+        saver = _saver(child, per_token=1000)
+        await saver.at_stop()
+        assert child.posts == []  # nothing written: the file would not hold those tokens
+        assert not cache.store.entries and not cache.store.pending
+        assert not list(tmp_path.glob("*" + SUFFIX)) and not list(tmp_path.glob("*.part"))
+        await saver.at_stop()  # and not asked again while the slot serves nothing new
+        assert child.posts == []
+
+    asyncio.run(run())

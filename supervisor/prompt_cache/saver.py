@@ -240,6 +240,13 @@ class Saver:
         indexed = False
         try:
             tokens = await slots.tokens(record)
+            if n < len(tokens):
+                # The slot holds less than its last request's prompt: a prefill cut short
+                # (the client hung up), or context shifted. A file of it indexed under those
+                # tokens would claim a prefix it does not hold (and supersede the real one).
+                self._saved[slot] = record
+                raise ValueError(f"slot {slot} holds {n} tokens, fewer than its last "
+                                 f"request's {len(tokens)}")
             # From the request to the child until the file is in the index, a request that
             # comes does not cancel the save: the file would be written and never found.
             self._writing = True

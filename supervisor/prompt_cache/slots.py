@@ -233,6 +233,15 @@ class Slots:
         # Any request's end (one that had no slot too: it put the debounce off all the same).
         self.saver.turn_ended()
 
+    def refused(self, lease: Lease) -> None:
+        """The child answered the lease's request with an error: its slot holds what it held
+        before (or a prompt cut short), not that request. Unsure until a request is pinned
+        there again: never saved under the refused request's tokens (Saver.changed). Its KV is
+        the caller's own or nothing (another's was erased before it was sent)."""
+        slot = lease.slot
+        if slot is not None and self._leased.get(slot) is lease:
+            self.unsure.add(slot)
+
     def _astray(self, lease: Lease, path: str, body: Any, namespace: str) -> Any:
         """`body` goes to the child without an id_slot: llama-server gives it whichever idle
         slot it likes (/v1/messages and /v1/embeddings ignore id_slot; /v1/responses takes
