@@ -15,7 +15,7 @@ import pytest
 import yaml
 from lifecycle_harness import FAKE, config_text, running
 
-from corral.supervisor.errors import SettingsDiffer, Unloaded
+from corral.supervisor.errors import SettingsDiffer, UnknownModel, Unloaded
 from corral.supervisor.instance import State
 
 from conftest import CorralFactory, wait_until
@@ -145,6 +145,34 @@ def test_an_unload_during_a_rebalance_leaves_the_model_stopped(tiny_models: dict
             with pytest.raises(Unloaded):
                 await rebalance
             assert h.inst("m").state is State.STOPPED, h.states()
+            assert not h.children()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_requests_queued_on_a_model_a_reload_removes_are_told_at_once(
+        tiny_models: dict[str, Path], tmp_path: Path):
+    """Before: a request queued for a slot of a model (one request in flight, parallel 1) that
+    a reload removed waited for the in-flight one to end, up to the whole drain
+    (`shutdown_grace`), before it was told the model is gone. Now it is told at once; the one
+    in flight still finishes on its child."""
+    models: dict[str, Any] = {
+        "m": {"model": str(tiny_models["tiny-a"]), "parallel": 1},
+        "n": {"model": str(tiny_models["tiny-b"])}}
+
+    async def scenario() -> None:
+        async with running(config_text(models, shutdown_grace=30), tmp_path) as h:
+            lease = await h.daemon.acquire("m")
+            inst = h.inst("m")
+            queued = asyncio.ensure_future(h.daemon.acquire("m"))
+            await h.until(lambda: inst.queued == 1, what="queued")
+            del models["m"]
+            await h.reload(config_text(models, shutdown_grace=30))
+            with pytest.raises(UnknownModel):
+                await asyncio.wait_for(queued, 5)
+            assert inst.state is State.DRAINING and inst.in_flight == 1, h.states()
+            lease.release()
+            await h.until(lambda: inst.state is State.STOPPED, what="stopped")
             assert not h.children()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

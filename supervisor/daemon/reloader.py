@@ -207,6 +207,9 @@ class Reloader:
             model.forget()
             for replica in model.everyone():
                 replica.begin_stop("removed from the config", drain=drain, cause="reload")
+                # Requests queued for its slots are told now, not once the drain has ended
+                # (it serves no one again: a later config that names the model makes anew).
+                replica.wake_waiters()
                 herd.retire(replica, "removed from the config")
             model.incoming = None
         for change in plan.add:

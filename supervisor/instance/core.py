@@ -273,8 +273,8 @@ class Instance:
         return Broken(unresponsive=unresponsive, detail=self.last_error)
 
     def wake_waiters(self) -> None:
-        """This instance will serve no more (a new child took its name): requests blocked on
-        its slots wake, find it not READY, give the slot back and go to the new one."""
+        """This instance serves no more (a new child took its name, its model left the config):
+        requests blocked on its slots wake, find it not READY and give the slot back."""
         for _ in range(self.queued):
             self._slots.release()
 
