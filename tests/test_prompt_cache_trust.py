@@ -11,7 +11,9 @@ the disk is "full" at a byte count the test picks, with no root and no tmpfs. A 
 from __future__ import annotations
 
 import asyncio
+import json
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,44 @@ def test_a_slot_holding_less_than_its_last_prompt_is_not_saved_as_it(tmp_path: P
         assert child.posts == []
 
     asyncio.run(run())
+
+
+_FULL_DISK = """
+import json, resource, sys
+from pathlib import Path
+from corral.supervisor.config.schema import PromptCacheConfig
+from corral.supervisor.events import EventBus
+from corral.supervisor.prompt_cache import PromptCache
+
+folder = Path(sys.argv[1])
+# Every write past 64 bytes fails (EFBIG: Python ignores SIGXFSZ), as on a full disk.
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+cache = PromptCache(folder, lambda: PromptCacheConfig(max_mb=64), EventBus())
+store = cache.store
+room = store.reserve("next.part", 1 << 20)
+print(json.dumps({"entries": sorted(store.entries), "room": room,
+                  "pending": store.pending_bytes()}))
+"""
+
+
+def test_a_full_disk_neither_stops_a_start_nor_holds_the_budget(tmp_path: Path) -> None:
+    """A start whose index write fails (the cache's disk full of other files) goes on with
+    the files it checked; a save whose reservation cannot be written is skipped, its bytes
+    not left counted (each failed save would have held its size of the budget until a
+    restart)."""
+    async def fill() -> None:
+        cache = _cache(tmp_path, max_mb=64)
+        child = _Child(cache)
+        child.records[0] = _record()
+        await _saver(child, per_token=1000).at_stop()
+        assert len(cache.store.entries) == 1
+
+    asyncio.run(fill())
+    (tmp_path / "stray.slot").write_bytes(b"x")  # a start deletes it: the index must change
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert len(seen["entries"]) == 1 and seen["pending"] == 0
+    assert "could not be written" in seen["room"]
+    assert "prompt_cache.index_not_written" in done.stderr + done.stdout

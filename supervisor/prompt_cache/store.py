@@ -300,8 +300,13 @@ class Store:
                          reason="no live daemon is writing it")
                 path.unlink(missing_ok=True)
         self._fit_budget()  # a lowered budget applies at once
-        self._write()
-        self._write_pending()
+        try:
+            self._write()
+            self._write_pending()
+        except OSError as exc:
+            # A full disk must not keep corral from starting: what is in memory is checked,
+            # and an index on disk naming files deleted here drops them at the next read.
+            log.warning("prompt_cache.index_not_written", dir=str(self.dir), error=str(exc))
 
     def _write(self) -> None:
         packed = self._packed
@@ -465,7 +470,13 @@ class Store:
                 self._write()
             self.pending[name] = {"file": name, "bytes": nbytes, "owner": OWNER,
                                   "since": time.time()}
-            self._write_pending()
+            try:
+                self._write_pending()
+            except OSError as exc:
+                # Not counted where the other daemons look: not asked for either (left in
+                # memory, a full disk's failed saves would hold the budget until a restart).
+                del self.pending[name]
+                return f"the list of saves in flight could not be written: {exc}"
         return None
 
     def commit(self, name: str, entry: Entry) -> None:
