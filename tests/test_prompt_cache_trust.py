@@ -11,7 +11,9 @@ the disk is "full" at a byte count the test picks, with no root and no tmpfs. A 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from typing import Any
 
 import yaml
 from test_prompt_cache import _cold, _conversation, _files, _next_turn, _restored
-from test_prompt_cache_files import _cache, _Child, _record, _saver
+from test_prompt_cache_files import _cache, _Child, _record, _saver, _spec
 
 from corral.supervisor.prompt_cache.choice import Record
 from corral.supervisor.prompt_cache.store import SUFFIX
@@ -219,3 +221,32 @@ def test_a_full_disk_neither_stops_a_start_nor_holds_the_budget(tmp_path: Path) 
     assert len(seen["entries"]) == 1 and seen["pending"] == 0
     assert "could not be written" in seen["room"]
     assert "prompt_cache.index_not_written" in done.stderr + done.stdout
+
+
+def test_an_adapter_replaced_under_its_name_gets_a_new_key(tmp_path: Path,
+                                                           smol_model: Path) -> None:
+    """A LoRA adapter or control vector changes the KV as the weights do: a retrained one
+    renamed into place under the same name (args unchanged) is another setup, and one
+    replaced under a running child turns its restores off (Setup.replaced)."""
+    async def run() -> None:
+        cache = _cache(tmp_path / "cache")
+        binary = llama_server_binary()
+        lora, vector = tmp_path / "style.gguf", tmp_path / "calm.gguf"
+        for path in (lora, vector):
+            path.write_bytes(b"GGUF adapter v1")
+        args = ("--lora", f"{lora}", "--control-vector-scaled", f"{vector}:0.8")
+        spec = dataclasses.replace(_spec(smol_model), args=args)
+        first = await cache.setup(spec, binary)
+        assert {f.path for f in first.files} >= {str(lora), str(vector)}
+        assert (await cache.setup(spec, binary)).key == first.key
+        for path in (lora, vector):
+            new = path.with_suffix(".new")
+            new.write_bytes(b"GGUF adapter v2")
+            os.utime(new, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+            os.replace(new, path)  # a new inode, even with the old size and mtime
+            assert first.replaced() is not None
+            again = await cache.setup(spec, binary)
+            assert again.key != first.key, path
+            first = again
+
+    asyncio.run(run())

@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,8 +82,10 @@ class PromptCache:
         layout), given as `args` or as llama-server's LLAMA_ARG_* variables in `env`, the RPC
         workers and the llama-server build. Any difference: never
         restored. Raises OSError."""
-        # Every part of a split model (llama-server maps them all), then the projector.
-        paths = [*shards(Path(spec.model_path)), *([spec.mmproj] if spec.mmproj else [])]
+        # Every part of a split model (llama-server maps them all), the projector, then the
+        # adapters its args name: a LoRA or a control vector changes the KV as weights do.
+        paths = [*shards(Path(spec.model_path)), *([spec.mmproj] if spec.mmproj else []),
+                 *_adapters(spec.args)]
         # At once, on the start's path: the binary's --version (40 ms here, a process) beside
         # the headers' hashes (threads); the first error stops the rest and is raised.
         try:
@@ -128,3 +130,26 @@ def _kv_env(env: Mapping[str, str]) -> list[list[str]]:
     return sorted([name, value] for name, value in env.items()
                   if name.startswith("LLAMA_ARG_")
                   and not any(word in name for word in ("KEY", "TOKEN")))
+
+
+# llama-server's flags that name adapter files (comma-separated; the scaled ones FNAME:SCALE),
+# and whether their items carry a scale.
+_ADAPTER_FLAGS = {"--lora": False, "--lora-scaled": True, "--control-vector": False,
+                  "--control-vector-scaled": True}
+
+
+def _adapters(args: Sequence[str]) -> list[Path]:
+    """The LoRA adapters and control vectors `args` name. Their paths alone are in the key
+    with the args; a file replaced under the same name (a retrained adapter) is another
+    file, as the model's is."""
+    found = []
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag not in _ADAPTER_FLAGS:
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        for item in value.split(","):
+            name = item.rpartition(":")[0] if _ADAPTER_FLAGS[flag] and ":" in item else item
+            if name:
+                found.append(Path(name))
+    return found
