@@ -176,3 +176,34 @@ def test_requests_queued_on_a_model_a_reload_removes_are_told_at_once(
             assert not h.children()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_requests_queued_on_a_model_being_unloaded_are_told_at_once(
+        tiny_models: dict[str, Path], tmp_path: Path):
+    """Before: a request queued for a slot (one in flight, parallel 1) when an admin unload
+    began waited for the drain to end (up to `shutdown_grace`), or past its queue_timeout got
+    a 503 'no free slot', before it was told the model was unloaded. Now it is told at once;
+    the one in flight finishes, and the model starts again with its usual slots."""
+    models: dict[str, Any] = {"m": {"model": str(tiny_models["tiny-a"]), "parallel": 1}}
+
+    async def scenario() -> None:
+        async with running(config_text(models, shutdown_grace=30), tmp_path) as h:
+            lease = await h.daemon.acquire("m")
+            inst = h.inst("m")
+            queued = asyncio.ensure_future(h.daemon.acquire("m"))
+            await h.until(lambda: inst.queued == 1, what="queued")
+            unload = asyncio.ensure_future(h.daemon.unload("m"))
+            with pytest.raises(Unloaded):
+                await asyncio.wait_for(queued, 2)
+            assert inst.state is State.DRAINING and inst.in_flight == 1, h.states()
+            lease.release()
+            assert (await unload).state is State.STOPPED
+            # Started again: one slot, as before (the woken waiters left none behind).
+            first = await h.daemon.acquire("m")
+            second = asyncio.ensure_future(h.daemon.acquire("m"))
+            await h.until(lambda: inst.queued == 1, what="queued behind the first")
+            assert not second.done() and inst.in_flight == 1
+            first.release()
+            (await asyncio.wait_for(second, 2)).release()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -272,23 +272,18 @@ class Instance:
             and lease.pid == watch.process.pid
         return Broken(unresponsive=unresponsive, detail=self.last_error)
 
-    def wake_waiters(self) -> None:
-        """This instance serves no more (a new child took its name, its model left the config):
-        requests blocked on its slots wake, find it not READY and give the slot back."""
-        for _ in range(self.queued):
-            self._slots.release()
-
-    def _fit_slots(self) -> None:
-        """At a start: a reload changed `parallel`, so the new child gets a new set of slots.
-        Leases still out return to the old set; requests blocked on the old set are woken, find
-        the model STARTING, give their slot back and wait for this start like everyone else."""
-        if self._slots_size == self.started_with.parallel:
-            return
-        old = self._slots
-        self._slots = asyncio.Semaphore(self.started_with.parallel)
-        self._slots_size = self.started_with.parallel  # an admin load may set it
+    def wake_waiters(self, parallel: int | None = None) -> None:
+        """The child serves no more (unloaded, replaced, removed), or a start changed
+        `parallel`: requests blocked on its slots wake, find it not READY, give the slot back
+        and go on; the next child gets a fresh set (leases still out return to the old one)."""
+        old, self._slots = self._slots, asyncio.Semaphore(parallel or self._slots_size)
+        self._slots_size = parallel or self._slots_size  # an admin load may set it
         for _ in range(self.queued):
             old.release()
+
+    def _fit_slots(self) -> None:
+        if self._slots_size != self.started_with.parallel:  # a reload or a load changed it
+            self.wake_waiters(self.started_with.parallel)
 
     # -- reload --------------------------------------------------------------------------------
 

@@ -242,6 +242,7 @@ class Model:
         stops = []
         for replica in self.members:
             task = replica.begin_stop(reason, drain=drain, cause=cause)
+            replica.wake_waiters()  # requests queued for a slot are told now, not after the drain
             if task is not None:
                 stops.append(task)
         return stops
