@@ -53,6 +53,8 @@ class Admin:
         unloads = model.primary.unloads
         checked = await asyncio.to_thread(check_overrides, spec, overrides or {})
         _refuse_if_unloaded(model, unloads)
+        if self._herd.closing:  # before the claim below: no task of this load would end it
+            raise ShuttingDown("corral is shutting down")
         # From here to the claim below no await: two loads cannot both find the model free.
         up = [r for r in model.members if r.state in (State.STARTING, State.READY)]
         if up and not restart:
