@@ -78,8 +78,9 @@ class Admin:
             # Claimed now: a start from here on runs them. A load asking the same joins the
             # claim without owning it: only the load that claimed it ends it.
             model.overrides = checked
-        work = self._restart(model, checked, unloads) if restarts else \
-            self._load_with(model, checked, unloads)
+        calls_off = model.called_off
+        work = self._restart(model, checked, unloads, calls_off) if restarts else \
+            self._load_with(model, checked, unloads, calls_off)
         await self._run(work, f"load:{model.name}")
         return model.name
 
@@ -100,16 +101,18 @@ class Admin:
                 raise  # the caller itself went away (its client hung up)
             raise ShuttingDown(f"corral is shutting down: {name} was called off") from None
 
-    async def _load_with(self, model: Model, overrides: Overrides, unloads: int) -> None:
+    async def _load_with(self, model: Model, overrides: Overrides, unloads: int,
+                         calls_off: int) -> None:
         try:
             _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)
-            _refuse_if_overtaken(model, overrides)
+            _refuse_if_overtaken(model, overrides, calls_off)
         finally:
             if overrides and model.overrides is overrides:
                 model.overrides = Overrides()
 
-    async def _restart(self, model: Model, overrides: Overrides, unloads: int) -> None:
+    async def _restart(self, model: Model, overrides: Overrides, unloads: int,
+                       calls_off: int) -> None:
         """Drain and restart in place (requests wait for it, none fail), with `overrides`.
         An unload meanwhile cancels the restart and wins: the load says so (Unloaded)."""
         try:
@@ -127,7 +130,7 @@ class Admin:
                 await asyncio.wait([task])
             _refuse_if_unloaded(model, unloads)
             await self._load(model, ignore_backoff=True)  # raises what the restart hit
-            _refuse_if_overtaken(model, overrides)
+            _refuse_if_overtaken(model, overrides, calls_off)
         finally:
             if model.overrides is overrides:
                 model.overrides = Overrides()
@@ -221,21 +224,19 @@ def _refuse_if_unloaded(model: Model, seen: int) -> None:
         raise Unloaded(f"{model.name} was unloaded while this load was under way")
 
 
-def _refuse_if_overtaken(model: Model, overrides: Overrides) -> None:
+def _refuse_if_overtaken(model: Model, overrides: Overrides, calls_off: int) -> None:
     """A load answers 200 only over the settings it asked for: a reload that changed the
     model meanwhile ended its overrides (Model.call_off), and the child now runs the new
-    config."""
-    if not overrides:
-        return
-    for replica in model.members:
-        if replica.state is State.READY:
-            differs = running_differs(overrides.apply(replica.spec), replica.started_with)
-            if differs:
-                runs = ", ".join(f"{f} {getattr(replica.started_with, f)}" for f in differs)
-                raise SettingsDiffer(
-                    f"a reload changed {model.name} while this load was under way: it runs "
-                    f"the new config ({runs}), not {_said(overrides)}; load it again with "
-                    f"\"restart\": true for these")
+    config. Told by call_off itself, not by comparing what runs with what was asked: a KV
+    mode of `auto` runs another cache type than the spec names, asked or not."""
+    if overrides and model.called_off != calls_off:
+        ready = [r for r in model.members if r.state is State.READY]
+        runs = ", ".join(f"{f} {getattr(ready[0].started_with, f)}"
+                         for f, _ in overrides.values) if ready else "its settings"
+        raise SettingsDiffer(
+            f"a reload changed {model.name} while this load was under way: it runs the new "
+            f"config ({runs}), not {_said(overrides)}; load it again with \"restart\": true "
+            "for these")
 
 
 def _said(overrides: Overrides) -> str:

@@ -67,6 +67,9 @@ class Model:
         # An operator's load overrides, while that load runs: the starts it makes take them
         # (the planner reads them for the estimate and the start); none after it.
         self.overrides = Overrides()
+        # How many times a reload's change overtook what was under way (call_off): a load
+        # that saw it change while it waited ran the new config, not its overrides.
+        self.called_off = 0
         self._waiting: str | None = None  # why a pinned model is not up yet
         self._op: Operation | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -282,6 +285,7 @@ class Model:
         overrides end too: the next start runs the new config (the load is told, not answered
         with settings it did not ask for); else they would mask what the reload changed."""
         self.overrides = Overrides()
+        self.called_off += 1
         if self._op is not None:
             self._op.task.cancel()
             self._op = None
