@@ -8,15 +8,19 @@ import fcntl
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import structlog
+import yaml
 from test_prompt_cache_files import MiB, _args, _cache, _Loaded, _mode
 
 from corral.supervisor import cli
 from corral.supervisor.prompt_cache.files import TEMP_SUFFIX
 from corral.supervisor.prompt_cache.store import INDEX, PENDING, SUFFIX, Entry, Store, fingerprint
 from corral.supervisor.statefile import ChildRegistry
+
+from conftest import tiny_config, wait_until
 
 
 def test_a_peer_killed_mid_save_frees_its_reservation_while_this_daemon_runs(tmp_path):
@@ -133,3 +137,28 @@ def test_the_cache_is_readable_by_its_user_alone(tmp_path, monkeypatch):
     assert {p.name for p in files} >= {"children-1.json", INDEX, PENDING, ".lock",
                                        f"s{SUFFIX}", "namespace.salt"}
     assert {p.name: _mode(p) for p in files} == {p.name: 0o600 for p in files}
+
+
+def test_a_reload_that_lowers_max_mb_applies_it_at_once(start_corral, tiny_models):
+    """The disk budget a reload lowers is met when the reload is applied, least recently used
+    files first, not at the next save (which may never come: the disk held more than the
+    config allowed until then)."""
+    config = tiny_config(tiny_models, prompt_cache={"max_mb": 64})
+    corral = start_corral(config)
+    folder = Path(start_corral.folder) / "state" / "prompt-cache"
+    # Three 1 MiB saves, used oldest to newest, written by a peer's Store on the same dir
+    # (the daemon reads them at its next change, as it would another daemon's saves).
+    peer = Store(folder, lambda: 64 * MiB)
+    for age, stem in enumerate(("old", "mid", "new"), start=1):
+        (folder / f"{stem}{SUFFIX}").write_bytes(os.urandom(1 << 20))
+        nbytes, digest = fingerprint(folder / f"{stem}{SUFFIX}")
+        peer.add(Entry(file=f"{stem}{SUFFIX}", key="k", model="m", tokens=[age], n_tokens=1,
+                       bytes=nbytes, fingerprint=digest, saved_at=0.0, last_used=float(age)))
+    config["prompt_cache"]["max_mb"] = 2
+    corral.config_path.write_text(yaml.safe_dump(config))
+    assert corral.http.post("/admin/reload").status_code == 200
+    wait_until(lambda: not (folder / f"old{SUFFIX}").exists(), timeout=10)
+    assert sorted(p.name for p in folder.glob("*" + SUFFIX)) == [f"mid{SUFFIX}", f"new{SUFFIX}"]
+    dropped = corral.log_events("prompt_cache.dropped")
+    assert [e["file"] for e in dropped] == [f"old{SUFFIX}"]
+    assert dropped[0]["reason"] == "disk budget (2 MiB)"

@@ -137,8 +137,10 @@ class Daemon:
         log.info("daemon.started", models=sorted(self.herd.models))
 
     def _adopted(self, loaded: LoadedConfig) -> None:
-        """A reload applied `loaded`: new memory limits at once, its model files read."""
+        """A reload applied `loaded`: new memory limits and the prompt cache's disk budget at
+        once, its model files read."""
         self.memory_loop.wake()
+        self.prompt_cache.store.fit_budget()
         self.tasks.spawn(self.read_model.read_inventory(loaded), "inventory")
 
     async def close(self, grace: float, budget: ShutdownBudget | None = None) -> None:

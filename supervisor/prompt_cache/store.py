@@ -422,6 +422,21 @@ class Store:
         if not of_key:
             del self._by_key[entry.scope], self._heads[entry.scope]
 
+    def fit_budget(self) -> int:
+        """The budget applied now (a reload lowered `max_mb`): how many files were deleted.
+        Otherwise it applies only at the next save, and the disk holds more than the config
+        allows until then."""
+        with self._lock.held():
+            self._sync()
+            dropped = self._fit_budget()
+            if dropped:
+                try:
+                    self._write()
+                except OSError as exc:  # as at a start: the next read drops what is gone
+                    log.warning("prompt_cache.index_not_written", dir=str(self.dir),
+                                error=str(exc))
+        return dropped
+
     def _fit_budget(self, extra: int = 0) -> int:
         """Files and saves in flight (with `extra` more bytes) within the budget: the least
         recently used files deleted first (the index not written: the caller's to do). How
