@@ -86,11 +86,11 @@ class Daemon:
             loaded.prompt_cache_dir or state_file.parent / "prompt-cache",
             lambda: self.herd.loaded.config.prompt_cache, self.events)
         self.planner = Planner(self.herd, self.memory, self._http)
+        self.holds = Holds(self.herd, self.planner)
         self.lifecycle = Lifecycle(self.herd, self.planner, self.memory, keeper=self._keeper,
                                    deployer=self.deployer, events=self.events,
-                                   prompt_cache=self.prompt_cache)
+                                   prompt_cache=self.prompt_cache, holds=self.holds)
         self.door = self.lifecycle.door
-        self.holds = Holds(self.herd, self.planner)
         self.memory_loop = MemoryLoop(self.herd, self.planner, self.memory,
                                       self.lifecycle.step_kv)
         self.ttl = TtlSweeper(self.herd, self.planner)

@@ -48,6 +48,16 @@ class Hold:
         for name in list(self._held):
             self.release(name)
 
+    def follow(self, name: str, now: Instance) -> None:
+        """`name` switched over to a new child (blue/green): hold that one instead. The old
+        child drains and stops; held, the new one is never stopped for another model's
+        start while the group still runs."""
+        inst = self._held.get(name)
+        if inst is not None and inst is not now:
+            self._held[name] = now
+            now.hold()
+            inst.unhold()
+
     def _hold(self, name: str) -> None:
         inst = self._find(name)
         if inst.name not in self._held:
@@ -61,6 +71,14 @@ class Holds:
     def __init__(self, herd: Herd, planner: Planner):
         self._herd = herd
         self._planner = planner
+        self._live: set[Hold] = set()  # the holds of the groups running now
+
+    def switched(self, name: str) -> None:
+        """A model's new child took over from the old one: every group's hold follows it."""
+        model = self._herd.models.get(name)
+        if model is not None:
+            for hold in self._live:
+                hold.follow(name, model.primary)
 
     @contextlib.contextmanager
     def reserve(self, names: Iterable[str]) -> Iterator[Hold]:
@@ -82,9 +100,11 @@ class Holds:
                 f"other groups hold {', '.join(busy) or 'none'}: {problem}; retry when they "
                 f"finish")
         hold = Hold(herd.instance, herd.resolve, herd.changed.fire, wanted)
+        self._live.add(hold)
         try:
             yield hold
         finally:
+            self._live.discard(hold)
             hold.release_all()
 
     def check_capacity(self, names: Iterable[str], what: str) -> None:

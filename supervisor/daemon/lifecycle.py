@@ -11,6 +11,7 @@ from corral.supervisor.backends.base import Backend
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.daemon.door import Door
 from corral.supervisor.daemon.herd import Herd
+from corral.supervisor.daemon.holds import Holds
 from corral.supervisor.daemon.planner import Planner
 from corral.supervisor.events import EventBus
 from corral.supervisor.instance import Instance, State
@@ -26,8 +27,9 @@ log = structlog.get_logger("corral.daemon")
 class Lifecycle:
     def __init__(self, herd: Herd, planner: Planner, memory: MemoryTracker, *,
                  keeper: GroupKeeper, deployer: RpcDeployer, events: EventBus,
-                 prompt_cache: PromptCache):
+                 prompt_cache: PromptCache, holds: Holds):
         self._herd = herd
+        self._holds = holds  # groups' holds on members: they follow a switch-over
         self._planner = planner
         self._memory = memory
         self._keeper = keeper
@@ -77,6 +79,7 @@ class Lifecycle:
         await self.door.start_member(model, inst)
 
     def switched(self, model: Model) -> None:
+        self._holds.switched(model.name)
         self._herd.persist_children()
         self._herd.changed.fire()
 

@@ -1,0 +1,114 @@
+"""Groups under faults and changes while they run: a member's blue/green switch-over, a
+synthesizer that fails after the members spent their tokens, a client that hangs up. Members
+are scripted `backend: command` children (tests/scripted_member.py): they start in a blink,
+answer a set text after a set delay, and a test can tell what they were asked."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Corral, wait_until
+
+SCRIPT = Path(__file__).resolve().parent / "scripted_member.py"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def member(name: str, reply: str = "ok", delay: float = 0.0, *more: str) -> dict[str, Any]:
+    argv = [sys.executable, "-S", str(SCRIPT), "--port", "${PORT}", "--reply", reply,
+            "--delay", str(delay), *more]
+    return {"backend": "command", "command": argv, "start_timeout": 20}
+
+
+def in_background(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def reload_with(corral: Corral, config: dict[str, Any]) -> dict[str, Any]:
+    corral.config_path.write_text(yaml.safe_dump(config))
+    resp = corral.http.post("/admin/reload")
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+def test_a_group_keeps_holding_a_member_switched_over_to_a_new_child(start_corral):
+    """A member whose settings change while its group runs switches to a new child
+    (blue/green): the group's hold moves to the new child, which is then never evicted for
+    another model's start while the group still runs (it was: the hold stayed on the old
+    child, which stopped, and the new one was the least recently used idle model)."""
+    config = {"defaults": {"ttl": 300, "stop_grace": 5}, "policy": {"max_loaded": 3},
+              "models": {"slow": member("slow", "Slow", 8), "quick": member("quick", "Quick"),
+                         "c": member("c", "C"), "d": member("d", "D")},
+              "groups": {"pair": {"models": ["slow", "quick"], "member_timeout": 60}}}
+    corral = start_corral(config)
+    assert corral.http.post("/admin/models/quick/load").status_code == 200
+    run, out = in_background(lambda: corral.http.post("/v1/batch/execute", json={
+        "group": "pair", "messages": QUESTION}, timeout=60))
+    wait_until(lambda: corral.model("slow")["in_flight"] == 1, timeout=20)
+    old_pid = corral.model("quick")["pid"]
+    assert corral.model("quick")["held"] == 1
+
+    changed = copy.deepcopy(config)
+    changed["models"]["quick"]["command"] += ["--gap", "0.5"]
+    attempt = reload_with(corral, changed)
+    assert attempt["changes"]["restarted"] == {"quick": ["command"]}, attempt
+    wait_until(lambda: corral.model("quick")["pid"] not in (None, old_pid), timeout=20)
+    assert corral.log_events("daemon.switched_over")
+    assert run.is_alive(), "the slow member should still be answering"
+    assert corral.model("quick")["held"] == 1  # the hold followed the model to its new child
+
+    assert corral.chat("c", max_tokens=2).status_code == 200  # loaded: slow, quick, c
+    assert corral.chat("d", max_tokens=2).status_code == 200  # one must go: not quick
+    assert run.is_alive()
+    states = {n: m["state"] for n, m in corral.models().items()}
+    assert states["quick"] == "ready" and states["c"] == "stopped", states
+    run.join(60)
+    assert out[0].status_code == 200 and out[0].json()["complete"], out[0].text
+    wait_until(lambda: all(m["held"] == 0 for m in corral.models().values()))
+
+
+def group_runs(corral: Corral) -> dict[tuple[str, str], float]:
+    """corral_group_requests_total by (group, result)."""
+    text = corral.http.get("/metrics").text
+    return {(s.labels["group"], s.labels["result"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "corral_group_requests_total"}
+
+
+@pytest.mark.expect_log("proxy.start_failed", "proxy.group_failed", "instance.start_failed",
+                        allow=r"scripted failure of start")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_synthesizer_that_fails_is_a_failed_group_run(start_corral, tmp_path: Path,
+                                                         stream: bool):
+    """The members answered, the synthesizer did not: a 502 with what the members spent,
+    and the run is counted failed (the `group` event, corral_group_requests_total), as any
+    failed run is. It was counted nowhere: the metric missed every such failure."""
+    config = {"defaults": {"ttl": 300, "stop_grace": 5},
+              "models": {"a": member("a", "Paris"), "b": member("b", "Paris"),
+                         "scribe": member("scribe", "x", 0, "--fail-starts", "1000000",
+                                          "--starts", str(tmp_path / "scribe.starts"))},
+              "groups": {"council": {"models": ["a", "b"], "type": "consensus",
+                                     "synthesizer": "scribe", "expose_as_model": True}}}
+    corral = start_corral(config)
+    resp = corral.http.post("/v1/chat/completions", json={
+        "model": "council", "messages": QUESTION, "stream": stream})
+    # Streamed too: nothing went out before the synthesizer's first byte, so a plain 502.
+    assert resp.status_code == 502, resp.text
+    error = resp.json()["error"]
+    assert "synthesizer scribe failed" in error["message"], error
+    assert [m["status"] for m in resp.json()["group"]["responses"]] == ["ok", "ok"]
+    record = corral.http.get("/admin/requests", params={"limit": 1}).json()["requests"][0]
+    assert (record["model"], record["status"], record["tokens_in"]) == ("council", 502, 6)
+    assert group_runs(corral) == {("council", "failed"): 1}
