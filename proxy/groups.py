@@ -227,9 +227,22 @@ class GroupRunner:
             self._enforce_fallback(outcome)
             outcome.tally = await self._vote(group, outcome)
             self._enforce_quorum(outcome)
+            await self._conclude(group, body, outcome, final_step)
         except GroupFailed:
+            # A synthesizer that failed after the members answered fails the run as much as
+            # members that did not: the event and the metric count it.
+            outcome.wall_ms = (time.monotonic() - started) * 1000
             self._publish(outcome, "failed")
             raise
+        outcome.wall_ms = (time.monotonic() - started) * 1000
+        log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
+                 members=len(responses), wall_ms=round(outcome.wall_ms, 1))
+        self._publish(outcome, outcome.result)  # the word the answer's `complete` says
+        return outcome
+
+    async def _conclude(self, group: GroupSpec, body: dict[str, Any], outcome: GroupOutcome,
+                        final_step: Callable[[GroupOutcome], Awaitable[None]] | None) -> None:
+        """The group's one answer from its members': selected, synthesized or the last step's."""
         if group.type == "fan_out":
             outcome.selected = await self._select(group, body, outcome)
         elif group.type == "consensus":
@@ -238,13 +251,8 @@ class GroupRunner:
             else:
                 await self.synthesize(group, body, outcome)
         elif group.type == "chain":
-            done = [r for r in responses if r.ok]
+            done = [r for r in outcome.responses if r.ok]
             outcome.final = done[-1].content if done else None
-        outcome.wall_ms = (time.monotonic() - started) * 1000
-        log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,
-                 members=len(responses), wall_ms=round(outcome.wall_ms, 1))
-        self._publish(outcome, outcome.result)  # the word the answer's `complete` says
-        return outcome
 
     def _publish(self, outcome: GroupOutcome, result: str) -> None:
         group = outcome.group
