@@ -271,8 +271,13 @@ class GroupRunner:
     async def _concurrent(self, group: GroupSpec, body: dict[str, Any],
                           held: Reservation) -> list[MemberResult]:
         # Members run at once: the group takes as long as its slowest member, not the sum.
-        return list(await asyncio.gather(*(self.member(group, m, body, held)
-                                           for m in group.models)))
+        tasks = [asyncio.create_task(self.member(group, m, body, held)) for m in group.models]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one raised, or our caller is gone: none outlives the run and its hold
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _first_ok(self, group: GroupSpec, body: dict[str, Any],
                         held: Reservation) -> list[MemberResult]:

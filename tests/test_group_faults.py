@@ -112,3 +112,32 @@ def test_a_synthesizer_that_fails_is_a_failed_group_run(start_corral, tmp_path: 
     record = corral.http.get("/admin/requests", params={"limit": 1}).json()["requests"][0]
     assert (record["model"], record["status"], record["tokens_in"]) == ("council", 502, 6)
     assert group_runs(corral) == {("council", "failed"): 1}
+
+
+def test_a_backup_a_reload_removed_is_a_member_error_not_the_groups(start_corral):
+    """replace_with's backup was removed by a reload while the group ran: the member that
+    needed it reports the error and the others' answers come back (not complete). The missing
+    backup was raised out of the whole run: a 404 model_not_found for the group."""
+    config = {"defaults": {"ttl": 300, "stop_grace": 5},
+              "models": {"hang": member("hang", "Late", 30), "slow": member("slow", "Slow", 1),
+                         "spare": member("spare", "Spare")},
+              "groups": {"g": {"models": ["hang", "slow"], "member_timeout": 4,
+                               "fallback": "replace_with", "replace_with": {"hang": "spare"}}}}
+    corral = start_corral(config)
+    run, out = in_background(lambda: corral.http.post("/v1/batch/execute", json={
+        "group": "g", "messages": QUESTION}, timeout=60))
+    wait_until(lambda: corral.model("hang")["in_flight"] == 1, timeout=20)
+    smaller = copy.deepcopy(config)
+    del smaller["models"]["spare"]
+    smaller["groups"]["g"] = {"models": ["hang", "slow"], "member_timeout": 4,
+                              "fallback": "partial"}
+    reload_with(corral, smaller)
+    run.join(60)
+    resp = out[0]
+    assert resp.status_code == 200, resp.text
+    result = resp.json()
+    assert not result["complete"]
+    assert [m["status"] for m in result["responses"]] == ["timeout", "ok"], result
+    assert "spare" in result["responses"][0]["error"]
+    models = corral.models()
+    assert all(m["in_flight"] == 0 and m["held"] == 0 for m in models.values()), models

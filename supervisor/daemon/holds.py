@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from corral.supervisor.daemon.herd import Herd
 from corral.supervisor.daemon.planner import Planner
-from corral.supervisor.errors import NoCapacity, NotServed
+from corral.supervisor.errors import NoCapacity, NotServed, UnknownModel
 from corral.supervisor.instance import LOADED_STATES, Instance
 
 
@@ -34,7 +34,8 @@ class Hold:
         """A member failed and a backup stands in: stop holding the failed one (so the backup
         can take its place under max_loaded) and hold the backup instead."""
         self.release(failed)
-        self._hold(backup)
+        with contextlib.suppress(UnknownModel):  # a reload removed it: its call says so
+            self._hold(backup)
 
     def release(self, name: str) -> None:
         # The held name itself first: after a reload it may be an alias of another model.
