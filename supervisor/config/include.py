@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.supervisor.config.issues import ConfigError, ConfigIssue, Lines, Loc, issue_at
-from corral.supervisor.config.yaml import read_yaml
+from corral.supervisor.config.yaml import MAX_FILE_BYTES, decode, read_yaml
 
 __all__ = ["Document", "read_config_file", "read_config_text"]
 
@@ -37,10 +37,12 @@ def read_config_file(path: Path) -> Document:
     """The config at `path` with every file it includes merged in."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = _read_text(path)
     except OSError as exc:
         issue = ConfigIssue(str(path), None, "", f"cannot read: {exc.strerror}")
         raise ConfigError([issue], (Path(os.path.abspath(path)),)) from exc
+    except ConfigError as exc:
+        raise ConfigError(exc.issues, (Path(os.path.abspath(path)),)) from exc
     return _Reader().read(text, str(path), Path(os.path.abspath(path)))
 
 
@@ -50,6 +52,12 @@ def read_config_text(text: str, source: Path | None = None) -> Document:
     if source is None:
         return _Reader().read(text, "<config>", None)
     return _Reader().read(text, str(source), Path(os.path.abspath(source)))
+
+
+def _read_text(path: Path) -> str:
+    """The file as text, never more than a config may be (see decode)."""
+    with open(path, "rb") as f:
+        return decode(f.read(MAX_FILE_BYTES + 1), str(path))
 
 
 class _Reader:
@@ -90,11 +98,15 @@ class _Reader:
                 self.issues.append(issue_at(filename, lines, loc, f"include cycle: {chain}"))
                 continue
             try:
-                included = target.read_text()
+                included = _read_text(target)
             except OSError as exc:
                 self.files.append(target)  # watched: creating it is the fix
                 self.issues.append(issue_at(filename, lines, loc,
                                             f"cannot read {target}: {exc.strerror}"))
+                continue
+            except ConfigError as exc:
+                self.files.append(target)  # watched: saving it right is the fix
+                self.issues += exc.issues
                 continue
             layer = self._layer(included, str(target), target, (*stack, target.resolve()),
                                 root=False)

@@ -97,10 +97,10 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
 def _schema_issues(doc: Document, filename: str, errors: list[Any]) -> list[ConfigIssue]:
     """The schema's errors; where the config is another tool's (foreign.py), each of its keys
     the schema refused, or that sits under one it refused, says corral's name instead."""
-    refused = [tuple(err["loc"]) for err in errors]
+    refused = [_as_written(err) for err in errors]
     shape, pointers = recognise(doc.data)
     said = {loc: pointers.pop(loc) for loc in refused if loc in pointers}
-    found = [issue_at(filename, doc.lines, loc, said.get(loc, err["msg"]))
+    found = [issue_at(filename, doc.lines, loc, said.get(loc, _message(err)))
              for loc, err in zip(refused, errors, strict=True)]
     found += [issue_at(filename, doc.lines, loc, pointer) for loc, pointer in pointers.items()
               if any(loc[:len(r)] == r for r in refused)]
@@ -109,6 +109,27 @@ def _schema_issues(doc: Document, filename: str, errors: list[Any]) -> list[Conf
                                                    f"(see {GUIDE}): corral's key for each of "
                                                    f"its keys follows"))
     return found
+
+
+def _as_written(err: Any) -> tuple[Any, ...]:
+    """A schema error's place as the lines know it: a mapping key YAML read as a boolean or a
+    number (`no:`, `1.5:`) is there as str() of the value (the schema's place says 0 for
+    False)."""
+    loc = tuple(err["loc"])
+    if len(loc) >= 2 and loc[-1] == "[key]" and not isinstance(err.get("input"), str):
+        loc = (*loc[:-2], str(err.get("input")), "[key]")
+    return tuple(str(p) if isinstance(p, bool | float) else p for p in loc)
+
+
+def _message(err: Any) -> str:
+    """The schema's message, with the YAML 1.1 surprise named where a string was expected:
+    unquoted yes/no/on/off are booleans (`aliases: [no]` is `[false]`), 1.5 is a number."""
+    value = err.get("input")
+    if err["type"] != "string_type" or not isinstance(value, bool | int | float):
+        return str(err["msg"])
+    what = ("a boolean (unquoted yes/no/on/off/true/false are booleans in YAML)"
+            if isinstance(value, bool) else "a number")
+    return f"{err['msg']}: YAML read this unquoted value as {what}; put it in quotes"
 
 
 def _under(key: str, keys: set[str]) -> bool:
