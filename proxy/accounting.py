@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from corral.proxy.capabilities import POSTED
+from corral.proxy.edge import REFUSED
 from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
 from corral.proxy.mount import inner_path
 from corral.proxy.timing import RequestRecord
@@ -31,12 +32,13 @@ class Accounting:
         self.metrics = Metrics(daemon)
         self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)
 
-    def finish(self, record: RequestRecord, status: int) -> None:
+    def finish(self, record: RequestRecord, status: int, refused: bool = False) -> None:
+        """`refused`: by the edge (a web page's request: proxy/edge.REFUSED)."""
         record.finish(status)
         # A client's string never becomes a label or a key.
         record.model = self.metrics.model_label(record.model)
         self.metrics.observe(record)
-        if record.status == 401:
+        if record.status == 401 or refused:
             return  # counted; an anonymous flood writes no log line, event or list entry
         self.recent.append(record)
         summary = record.as_dict()
@@ -67,7 +69,7 @@ class Accounting:
         status = response.status
         if status == CLIENT_GONE and record.delivered():
             status = 200  # its last write failed, after the whole answer went out
-        self.finish(record, status)
+        self.finish(record, status, refused=request.get(REFUSED, False))
         return response
 
     def recent_requests(self, limit: int) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from corral.proxy import mount as model_mount
 from corral.proxy.access import ADMIN, CALLER
 from corral.proxy.accounting import RECORD, Accounting
 from corral.proxy.child_http import ChildPool
+from corral.proxy.edge import REFUSED as EDGE_REFUSED
 from corral.proxy.edge import Edge
 from corral.proxy.errors import (
     ApiError,
@@ -184,8 +185,10 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
     # handler returns.
     request[STARTED] = True
     request.app[EDGE].add_cors(request, response)
-    # Which node answered: behind a router (docs/fleet.md), where the request ran.
-    response.headers[NODE_HEADER] = request.app[DAEMON].loaded.config.node()
+    # Which node answered: behind a router (docs/fleet.md), where the request ran. Not on
+    # the edge's refusals: the host name is not a web page's to read (edge.REFUSED).
+    if not request.get(EDGE_REFUSED):
+        response.headers[NODE_HEADER] = request.app[DAEMON].loaded.config.node()
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[request_id.HEADER] = rid
@@ -262,13 +265,16 @@ def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | No
             return b""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer":
-            given = token.strip().encode()
+            text = token.strip()
         else:
             # Anthropic's SDKs and Claude Code (ANTHROPIC_API_KEY) send the key as x-api-key.
             # Like Authorization, a header no web page can send without asking first.
-            given = request.headers.get("x-api-key", "").strip().encode()
-            if not given:
+            text = request.headers.get("x-api-key", "").strip()
+            if not text:
                 return None
+        # The bytes as sent: aiohttp decoded bytes that are not UTF-8 to surrogates, which a
+        # strict encode raised on (a 500, a traceback per request, for anyone).
+        given = text.encode("utf-8", "surrogateescape")
         return next((k for k in keys if hmac.compare_digest(given, k)), None)
 
     def allowed(request: web.Request, keys: list[bytes]) -> bool:

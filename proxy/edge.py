@@ -42,6 +42,11 @@ LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id, X-Api-Key, Anthropic-Version"
 EXPOSED_HEADERS = "X-Request-Id, X-Corral-Node, Server-Timing, Retry-After"
+# Set on a request the edge refused. A page may send thousands a second: such a refusal is
+# counted in the metrics but writes no log line, event or recent-requests entry (as a 401),
+# and it does not name the node, by default the machine's host name, which a page that DNS
+# rebinding made same-origin could read from the 403 (a Host refusal).
+REFUSED: web.RequestKey[bool] = web.RequestKey("refused_at_edge", bool)
 
 
 class Edge:
@@ -96,16 +101,26 @@ class Edge:
         origin = request.headers.get("Origin")
         if origin is None:
             return None
-        parts = urlsplit(origin)
-        if origin != "null" and parts.netloc and request.host \
-                and parts.netloc.lower() == request.host.lower():
+        try:
+            netloc = urlsplit(origin).netloc
+        except ValueError:  # "http://[": not a URL, so not corral's own origin either
+            return origin
+        if origin != "null" and netloc and request.host \
+                and netloc.lower() == request.host.lower():
             return None
         return origin
 
     # -- the check -----------------------------------------------------------------------------
 
     def refusal(self, request: web.Request) -> web.StreamResponse | None:
-        """None when `request` may go on; else the answer (a refusal, or a preflight's)."""
+        """None when `request` may go on; else the answer (a refusal, or a preflight's), and
+        request[REFUSED] says it was a refusal."""
+        denied = self._refusal(request)
+        if denied is not None and denied.status == 403:
+            request[REFUSED] = True
+        return denied
+
+    def _refusal(self, request: web.Request) -> web.StreamResponse | None:
         if not self.host_allowed(request.headers.get("Host")):
             return error_response(403, f"Host {request.headers.get('Host', '')[:100]!r} is not "
                                   "one corral answers to: add it to allowed_hosts in the config "
