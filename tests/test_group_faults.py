@@ -141,3 +141,54 @@ def test_a_backup_a_reload_removed_is_a_member_error_not_the_groups(start_corral
     assert "spare" in result["responses"][0]["error"]
     models = corral.models()
     assert all(m["in_flight"] == 0 and m["held"] == 0 for m in models.values()), models
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_hangs_up_mid_consensus_never_starts_the_synthesizer(start_corral,
+                                                                          stream: bool):
+    config = {"defaults": {"ttl": 300, "stop_grace": 5},
+              "models": {"a": member("a", "Paris", 30), "b": member("b", "Paris", 30),
+                         "scribe": member("scribe", "Synthesized")},
+              "groups": {"council": {"models": ["a", "b"], "type": "consensus",
+                                     "synthesizer": "scribe", "expose_as_model": True}}}
+    corral = start_corral(config)
+    with pytest.raises(httpx.TimeoutException):
+        with httpx.Client(base_url=corral.url, timeout=httpx.Timeout(60, read=1)) as http:
+            http.post("/v1/chat/completions", json={
+                "model": "council", "messages": QUESTION, "stream": stream})
+    # Every member's request is cancelled, the hold given back, nothing left in flight.
+    wait_until(lambda: all(m["in_flight"] == 0 and m["held"] == 0 and m["queue"] == 0
+                           for m in corral.models().values()), timeout=10)
+    assert corral.model("scribe")["state"] == "stopped" and not corral.model("scribe")["starts"]
+    record = corral.http.get("/admin/requests", params={"limit": 1}).json()["requests"][0]
+    assert record["model"] == "council" and record["status"] == 499, record
+
+
+def test_twenty_runs_of_two_groups_over_the_same_single_slot_members_all_end(start_corral):
+    """Two groups that hold the same one-slot members in opposite orders, asked 20 times at
+    once: each member request queues for its slot on its own, so no run waits on another's
+    hold (no deadlock), and every run answers."""
+    config = {"defaults": {"ttl": 300, "stop_grace": 5, "parallel": 1},
+              "models": {"a": member("a", "A", 0.05), "b": member("b", "B", 0.05)},
+              "groups": {"ab": {"models": ["a", "b"], "expose_as_model": True},
+                         "ba": {"models": ["b", "a"], "type": "fan_out",
+                                "selector": "longest", "expose_as_model": True}}}
+    corral = start_corral(config)
+    results: list[httpx.Response] = []
+
+    def ask(group: str) -> None:
+        with httpx.Client(base_url=corral.url, timeout=120) as http:
+            results.append(http.post("/v1/chat/completions", json={
+                "model": group, "messages": QUESTION}))
+
+    threads = [threading.Thread(target=ask, args=("ab" if i % 2 else "ba",), daemon=True)
+               for i in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == 20
+    # 40 member requests of 50 ms on two slots: well within queue_timeout and max_queue.
+    assert [r.status_code for r in results] == [200] * 20, [r.text for r in results]
+    assert all(m["in_flight"] == 0 and m["held"] == 0 and m["queue"] == 0
+               for m in corral.models().values())
