@@ -152,10 +152,10 @@ def test_a_client_that_hangs_up_mid_consensus_never_starts_the_synthesizer(start
               "groups": {"council": {"models": ["a", "b"], "type": "consensus",
                                      "synthesizer": "scribe", "expose_as_model": True}}}
     corral = start_corral(config)
-    with pytest.raises(httpx.TimeoutException):
-        with httpx.Client(base_url=corral.url, timeout=httpx.Timeout(60, read=1)) as http:
-            http.post("/v1/chat/completions", json={
-                "model": "council", "messages": QUESTION, "stream": stream})
+    with pytest.raises(httpx.TimeoutException), \
+            httpx.Client(base_url=corral.url, timeout=httpx.Timeout(60, read=1)) as http:
+        http.post("/v1/chat/completions", json={
+            "model": "council", "messages": QUESTION, "stream": stream})
     # Every member's request is cancelled, the hold given back, nothing left in flight.
     wait_until(lambda: all(m["in_flight"] == 0 and m["held"] == 0 and m["queue"] == 0
                            for m in corral.models().values()), timeout=10)
