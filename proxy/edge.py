@@ -14,7 +14,8 @@ too. Ollama fixed the same class (CVE-2024-28224) with a Host check and an origi
   `allowed_origins` (exact "scheme://host[:port]", or "*") is refused (403
   `origin_not_allowed`) on every method that changes state and on /v1, /admin, /models, /peer,
   /metrics and the models' mounts (/w/), whatever the method. corral's own status page is
-  same-origin and unaffected.
+  same-origin and unaffected. The GETs a page makes without `Origin` (an <img>, a <script>, a
+  link) say `Sec-Fetch-Site: cross-site` or `same-site`, and are refused the same way.
 - **Content-Type**: a body a JSON route reads must say `application/json` (415
   `unsupported_media_type`; proxy/validate.require_json, where the body is read): the content
   types a page may send without a preflight never pass.
@@ -35,6 +36,10 @@ from corral.proxy.errors import error_response
 from corral.supervisor.config import Config
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# What browsers say in Sec-Fetch-Site of a request that another site's page made ("same-site":
+# another port or subdomain of the same site; corral's own page says "same-origin", the
+# address bar "none").
+_OTHER_SITES = frozenset({"cross-site", "same-site"})
 # The routes that act or read what runs: cross-origin requests never reach them.
 GUARDED_PREFIXES = ("/v1/", "/admin", "/models", "/peer", "/metrics", "/w/")
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
@@ -134,6 +139,14 @@ class Edge:
             if not allowed and (request.method not in SAFE_METHODS
                                 or request.path.startswith(GUARDED_PREFIXES)):
                 return _origin_refused(origin)
+        elif request.headers.get("Sec-Fetch-Site") in _OTHER_SITES and (
+                request.method not in SAFE_METHODS
+                or request.path.startswith(GUARDED_PREFIXES)) \
+                and "*" not in self._config().allowed_origins:
+            # No Origin, yet a browser's: another site's <img>, <script>, link or no-cors GET,
+            # which carry none. Which site sent it is unknown, so no allowed origin vouches.
+            return _origin_refused(f"another site (Sec-Fetch-Site: "
+                                   f"{request.headers['Sec-Fetch-Site']})")
         return None
 
     def _preflight(self, request: web.Request, origin: str) -> web.Response:

@@ -90,3 +90,22 @@ def test_a_pages_refused_requests_leave_no_trace_and_name_no_node(corral: Corral
         'status="403"} 2.0' in metrics.text
     assert httpx.get(corral.url + "/health").headers["X-Corral-Node"] == NODE
     assert httpx.get(corral.url + "/v1/models").headers["X-Corral-Node"] == NODE  # a 401
+
+
+def test_a_pages_requests_without_origin_are_refused_by_sec_fetch_site(corral: Corral) -> None:
+    """What Chromium sends for another page's <img>, <script> and no-cors fetch to corral (seen
+    on loopback): no Origin, Sec-Fetch-Site `same-site` (another port) or `cross-site`."""
+    for site in ("same-site", "cross-site"):
+        page = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "no-cors"}
+        for path in ("/admin/models", "/admin/models/cloud/logs", "/metrics",
+                     "/v1/models", "/w/cloud/v1/models"):
+            refused = corral.http.get(path, headers=page)
+            assert refused.status_code == 403, (site, path, refused.text)
+            assert refused.json()["error"]["code"] == "origin_not_allowed"
+            assert site in refused.json()["error"]["message"]
+        assert corral.http.post("/health", headers=page).status_code == 403
+        assert httpx.get(corral.url + "/health", headers=page).status_code == 200
+    # corral's own page, the address bar, and clients that are not browsers.
+    for site in ("same-origin", "none", None):
+        headers = {"Sec-Fetch-Site": site} if site else {}
+        assert corral.http.get("/admin/models", headers=headers).status_code == 200, site
