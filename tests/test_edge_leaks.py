@@ -106,6 +106,6 @@ def test_a_pages_requests_without_origin_are_refused_by_sec_fetch_site(corral: C
         assert corral.http.post("/health", headers=page).status_code == 403
         assert httpx.get(corral.url + "/health", headers=page).status_code == 200
     # corral's own page, the address bar, and clients that are not browsers.
-    for site in ("same-origin", "none", None):
-        headers = {"Sec-Fetch-Site": site} if site else {}
-        assert corral.http.get("/admin/models", headers=headers).status_code == 200, site
+    for own in ("same-origin", "none", None):
+        headers = {"Sec-Fetch-Site": own} if own else {}
+        assert corral.http.get("/admin/models", headers=headers).status_code == 200, own
