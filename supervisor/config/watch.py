@@ -54,7 +54,32 @@ def watched_files(daemon: Daemon) -> frozenset[str]:
     for path in files:
         out.add(os.path.abspath(path))
         out.add(os.path.realpath(path))
+        out.update(_links_along(os.path.abspath(path)))
     return frozenset(out)
+
+
+def _links_along(path: str) -> set[str]:
+    """Every symlink `path` goes through, folders included: a deploy that re-points
+    `current -> releases/v2` (or a Kubernetes ConfigMap's `..data`) changes none of the files
+    watched, only the link; the link's own folder is watched for it."""
+    out: set[str] = set()
+    pending = [path]
+    for _ in range(40):  # as many links as the kernel follows: a loop of links ends here
+        if not pending:
+            break
+        todo = pending.pop()
+        head = os.path.sep
+        parts = todo.split(os.path.sep)[1:]
+        for i, part in enumerate(parts):
+            step = os.path.join(head, part)
+            if os.path.islink(step):
+                out.add(step)
+                with contextlib.suppress(OSError):
+                    target = os.path.join(head, os.readlink(step))
+                    pending.append(os.path.normpath(os.path.join(target, *parts[i + 1:])))
+                break
+            head = step
+    return out
 
 
 def _only(files: frozenset[str]) -> Callable[[Change, str], bool]:
