@@ -152,6 +152,10 @@ def _check(paths: list[Path], files: bool = True) -> int:
                 print(f"error: {issue}", file=sys.stderr)
             continue
         assert loaded is not None
+        if not any(len(loc) == 1 for loc in loaded.lines):
+            # serve starts on it (the default config), a reload refuses it: say which.
+            print(f"warning: {path}: the file is empty: a running corral refuses it on reload "
+                  f"(write `models: {{}}` to remove every model)", file=sys.stderr)
         for warning in cache_ram_warnings(loaded):  # no error: placement counts the caches
             print(f"warning: {warning}", file=sys.stderr)
         print(f"{path}: ok ({len(loaded.models)} models)")

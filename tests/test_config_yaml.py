@@ -186,3 +186,14 @@ def test_a_running_corral_keeps_its_config_and_takes_the_next_good_one(start_cor
     _write(start_corral.folder, MODEL + "  b:\n    backend: command\n    command: [y, '${PORT}']\n")
     resp = corral.http.post("/admin/reload")
     assert resp.status_code == 200 and resp.json()["changes"]["added"] == ["b"], resp.text
+
+
+def test_check_says_a_reload_refuses_an_empty_file(tmp_path):
+    """Parity: `corral check` passed an empty file (a save caught halfway, most often) that a
+    running corral's reload refuses; it now says so."""
+    path = _write(tmp_path, "# nothing yet\n")
+    done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check", "--no-files",
+                           str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert f"warning: {path}: the file is empty: a running corral refuses it on reload" \
+        in done.stderr
