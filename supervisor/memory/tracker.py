@@ -117,8 +117,16 @@ class MemoryTracker:
         gpu_use = self._gpu_usage()
         for pid in pids:
             for device, used in gpu_use.get(pid, {}).items():
-                if device in devices:
-                    by_pid[pid][device] = used
+                found = devices.get(device)
+                if found is None:
+                    continue
+                if used > found.total:
+                    # Impossible: kept, it would become the child's peak, then what every
+                    # later start of its settings is counted at (refused as never fitting).
+                    self._reader_failed(f"usage_by_pid(): pid {pid} holds {used} bytes on "
+                                        f"{device}, more than its {found.total}")
+                    continue
+                by_pid[pid][device] = used
         private: dict[int, int] = {}
         for pid, (rss, own) in self.ram.usage_detail(pids).items():
             by_pid[pid]["cpu"] = rss
@@ -140,11 +148,15 @@ class MemoryTracker:
 
     def _gpu_usage(self) -> dict[int, dict[str, int]]:
         try:
-            return {int(pid): {str(d): max(0, int(n)) for d, n in usage.items()}
-                    for pid, usage in self.gpu_reader.usage_by_pid().items()}
+            found = {int(pid): {str(d): int(n) for d, n in usage.items()}
+                     for pid, usage in self.gpu_reader.usage_by_pid().items()}
         except Exception as exc:
             self._reader_failed(f"usage_by_pid(): {type(exc).__name__}: {exc}")
             return {}
+        bad = sorted({pid for pid, usage in found.items() if any(n < 0 for n in usage.values())})
+        if bad:
+            self._reader_failed(f"usage_by_pid(): negative figures for pid {bad[0]}")
+        return {pid: usage for pid, usage in found.items() if pid not in bad}
 
     def _reader_failed(self, problem: str) -> None:
         if problem != self._reader_problem:  # once per kind of failure
