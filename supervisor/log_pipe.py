@@ -25,9 +25,14 @@ BATCH_S = 0.02
 # would have to log 50 MB/s to fill it within a batch and block on its own write.
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-# A "line" that long without a newline is kept as it is (a child printing a progress bar with
-# carriage returns only, or binary): the buffer never grows without bound.
-LINE_LIMIT = 1 << 20
+# The most of one line that is kept: the rest of it, up to its newline, is dropped as it comes
+# (a child printing a progress bar with carriage returns only, binary, a prompt echoed whole).
+# The log ring keeps 400 lines a child: at the 1 MiB this was, a child writing long lines made
+# the daemon hold ~800 MB (invalid UTF-8 decodes to U+FFFD, 2 bytes each) and answer
+# /admin/models/<m>/logs with 1.6 GB of JSON. At 8 KiB: a few MB at worst, and no line of a
+# server's own log is cut (llama-server's and vLLM's are under 1 KiB).
+LINE_LIMIT = 8 * 1024
+CUT_MARK = b" [cut by corral: longer than %d bytes]" % LINE_LIMIT
 
 
 def open_pipe() -> tuple[int, int]:
@@ -49,6 +54,7 @@ class LineReader(asyncio.Protocol):
         self._loop = loop
         self._keep = keep
         self._pending = b""
+        self._dropping = False  # past LINE_LIMIT of a line: the rest of it goes unread
         self._transport: asyncio.ReadTransport | None = None
         self._resume: asyncio.TimerHandle | None = None
         # Off until the child serves (batch()): while it loads its lines are read as they
@@ -61,12 +67,18 @@ class LineReader(asyncio.Protocol):
         self._transport = cast(asyncio.ReadTransport, transport)
 
     def data_received(self, data: bytes) -> None:
-        *lines, self._pending = (self._pending + data).split(b"\n")
-        if len(self._pending) > LINE_LIMIT:
-            lines.append(self._pending)
-            self._pending = b""
-        if lines:
-            self._keep(lines)
+        if self._dropping:  # the rest of a line already kept, cut
+            end = data.find(b"\n")
+            self._dropping = end < 0
+            data = b"" if end < 0 else data[end + 1:]
+        if data:
+            *lines, self._pending = (self._pending + data).split(b"\n")
+            if len(self._pending) > LINE_LIMIT:
+                lines.append(self._pending)
+                self._pending = b""
+                self._dropping = True
+            if lines:
+                self._keep([_cut(line) for line in lines])
         transport = self._transport
         if (self._batching and transport is not None and self._resume is None
                 and not transport.is_closing()):
@@ -103,6 +115,10 @@ class LineReader(asyncio.Protocol):
             self._pending = b""
         if not self.done.done():
             self.done.set_result(None)
+
+
+def _cut(line: bytes) -> bytes:
+    return line if len(line) <= LINE_LIMIT else line[:LINE_LIMIT] + CUT_MARK
 
 
 async def read_lines(reader: LineReader, read_end: int) -> None:

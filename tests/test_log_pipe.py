@@ -70,13 +70,33 @@ def test_a_chatty_child_is_not_blocked_by_the_pause() -> None:
     assert len(got) == 200000 and got[-1] == b"%019d" % 199999 and got[123] == b"%019d" % 123
 
 
-def test_a_line_past_the_limit_is_cut_not_buffered_forever() -> None:
-    size = log_pipe.LINE_LIMIT * 2 + 10
-    code = f"import sys\nsys.stdout.write('x' * {size})\nsys.stdout.flush()\n"
+def test_a_line_past_the_limit_is_cut_and_the_rest_of_it_dropped() -> None:
+    limit, mark = log_pipe.LINE_LIMIT, log_pipe.CUT_MARK
+    # Unterminated past the limit, in several writes; then whole lines past it in one write.
+    code = (f"import sys, time\nw = sys.stdout.buffer\n"
+            f"for _ in range(5): w.write(b'x' * {limit}); w.flush(); time.sleep(0.01)\n"
+            f"w.write(b'x\\nnext\\n' + b'y' * {limit * 3} + b'\\n' + b'z' * {limit} + b'\\nend')\n")
     got = _lines(uvloop.run(_read_child("-c", code))[0])
-    assert b"".join(got) == b"x" * size
-    assert all(len(part) <= log_pipe.LINE_LIMIT * 2 for part in got)
-    assert len(got) >= 2  # cut on the way, not held until the end
+    assert got == [b"x" * limit + mark, b"next", b"y" * limit + mark, b"z" * limit, b"end"]
+
+
+def test_a_child_writing_long_lines_costs_its_log_ring_kilobytes_not_megabytes() -> None:
+    # 50 lines of 256 KiB of invalid UTF-8: the ring held all of them whole (13 M characters;
+    # at 1 MiB a line, 400 of them: the daemon at 800 MB, /admin logs 1.6 GB of JSON).
+    code = ("import sys\nw = sys.stdout.buffer\n"
+            "for _ in range(50): w.write(b'\\xff' * 262144 + b'\\n')\n"
+            "w.write(b'the end\\n')\n")
+
+    async def run() -> list[str]:
+        child = ChildProcess("long-lines", [sys.executable, "-c", code], {})
+        await child.spawn()
+        assert await asyncio.wait_for(child.wait(), 30) == 0
+        return list(child.logs)
+
+    lines = uvloop.run(run())
+    assert len(lines) == 51 and lines[-1] == "the end"
+    assert all(len(line) <= log_pipe.LINE_LIMIT + len(log_pipe.CUT_MARK) for line in lines)
+    assert lines[0].endswith(log_pipe.CUT_MARK.decode())
 
 
 def test_a_serving_child_keeps_lines_and_wakes_a_reader_once_per_batch() -> None:
