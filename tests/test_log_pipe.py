@@ -100,7 +100,7 @@ def test_a_child_writing_long_lines_costs_its_log_ring_kilobytes_not_megabytes()
 
 
 def test_a_serving_child_keeps_lines_and_wakes_a_reader_once_per_batch() -> None:
-    async def run() -> tuple[list[str], int, int]:
+    async def run() -> tuple[list[str], int, int, float]:
         child = ChildProcess("writer", [sys.executable, "-c", WRITER, "50", "0.001"], {})
         await child.spawn()
 
