@@ -7,14 +7,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import pytest
 import structlog
+from fake_gpu import write as write_gpu
 
 from corral.supervisor.config import parse_config
 from corral.supervisor.config.schema.memory import MemoryConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.devices import Device
 from corral.supervisor.memory.tracker import MemoryTracker
+
+from conftest import CorralFactory, tiny_config, wait_until
 
 MIB = 1024 * 1024
 
@@ -23,12 +28,12 @@ class Reader:
     """One 8000 MiB GPU, 1000 MiB used; this process (standing in for a child) holds `held`."""
 
     def __init__(self) -> None:
-        self.held: object = 100 * MIB
+        self.held: Any = 100 * MIB
 
     def devices(self) -> list[Device]:
         return [Device("gpu0", "gpu", 8000 * MIB, 1000 * MIB, "test")]
 
-    def usage_by_pid(self) -> Mapping[int, Mapping[str, object]]:
+    def usage_by_pid(self) -> Mapping[int, Mapping[str, Any]]:
         return {os.getpid(): {"gpu0": self.held}}
 
 
@@ -77,9 +82,84 @@ def test_a_per_process_figure_larger_than_its_gpu_is_left_out(
 
 def test_a_negative_or_unreadable_per_process_figure_is_left_out(
         tiny_models: dict[str, Path]) -> None:
-    tracker, reader, child, spec = _tracker(tiny_models["tiny-a"])
+    tracker, reader, child, _spec = _tracker(tiny_models["tiny-a"])
     for bad in (-5 * MIB, float("nan"), None):
         reader.held = bad
         _sample(tracker, child)  # no exception reaches the caller
         assert tracker.sample is not None and "gpu0" not in tracker.sample.by_pid[child.pid]
         assert tracker.footprint(child)["gpu0"] > 0  # counted at its estimate meanwhile
+
+
+class Failing(Reader):
+    """Two GPUs of different sizes; `broken`: devices() raises; `nonsense`: gpu1's used is
+    over its total (a driver bug, a plugin's mistake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = self.nonsense = False
+
+    def devices(self) -> list[Device]:
+        if self.broken:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        used1 = 90000 if self.nonsense else 20000
+        return [Device("gpu0", "gpu", 8000 * MIB, 7000 * MIB, "small"),
+                Device("gpu1", "gpu", 24000 * MIB, used1 * MIB, "big")]
+
+
+def test_a_reader_that_fails_leaves_each_gpu_at_its_last_good_figures(
+        tiny_models: dict[str, Path]) -> None:
+    reader = Failing()
+    tracker = MemoryTracker(MemoryConfig(reserve_mb=0), reader)
+    spec = parse_config(f"models:\n  m:\n    model: {tiny_models['tiny-a']}\n").models["m"]
+    tracker.take(tracker.read([]), [])
+    good = tracker.need(spec, (None, None))
+    assert good.get("gpu0", 0) > 0 or good.get("gpu1", 0) > 0
+    with structlog.testing.capture_logs() as logs:
+        reader.broken = True
+        tracker.take(tracker.read([]), [])
+        sample = tracker.sample
+        assert sample is not None and sample.stale == {"gpu0", "gpu1"}
+        # Still on the GPUs, at the figures last read: not estimated on the CPU, and a
+        # placement still sees how full they are.
+        assert tracker.need(spec, (None, None)) == good
+        view = tracker.view([], 0)
+        assert view is not None and view.devices["gpu0"].used == 7000 * MIB
+        # One GPU with nonsense: that one stays at its last figures, the other is read.
+        reader.broken, reader.nonsense = False, True
+        tracker.take(tracker.read([]), [])
+        assert tracker.sample is not None and tracker.sample.stale == {"gpu1"}
+        assert tracker.sample.devices["gpu1"].used == 20000 * MIB
+        reader.nonsense = False
+        tracker.take(tracker.read([]), [])
+        assert tracker.sample is not None and not tracker.sample.stale
+    events = [e["event"] for e in logs]
+    assert events.count("memory.gpu_reader_failed") == 2, logs
+    assert events[-1] == "memory.gpu_reader_recovered", logs
+
+
+FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
+
+
+@pytest.mark.expect_log("memory.gpu_reader_failed", "proxy.request_failed")
+def test_a_load_is_not_let_onto_a_full_gpu_while_its_reader_fails(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A GPU past the critical watermark refuses new loads; a reader that then fails (NVML
+    after an Xid, a plugin's bad file) must not make the GPU vanish and let the load on."""
+    gpu = tmp_path / "gpu.json"
+    write_gpu(gpu, total_mb=10000, others_mb=9700)
+    corral = start_corral(tiny_config(
+        tiny_models, ["tiny-a"],
+        memory={"interval": 0.2, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
+                "gpu_reader_options": {"path": str(gpu)}}))
+
+    def gpu0() -> dict[str, Any] | None:
+        devices = corral.http.get("/admin/memory").json()["devices"]
+        return next((d for d in devices if d["name"] == "gpu0"), None)
+    wait_until(lambda: (found := gpu0()) is not None and found["pressure"] == "critical",
+               timeout=10)
+    gpu.write_text("{not json")  # the reader raises from now on
+    wait_until(lambda: corral.log_events("memory.gpu_reader_failed"), timeout=10)
+    response = corral.chat("tiny-a", max_tokens=2)
+    assert response.status_code == 503, response.text
+    assert "critical watermark" in response.json()["error"]["message"]
+    assert corral.spawned("tiny-a") == []

@@ -83,6 +83,11 @@ class MemoryLoop:
         herd, planner = self._herd, self._planner
         if herd.closing:
             return
+        sample = self._memory.sample
+        if sample is not None and sample.stale:
+            # A GPU the reader could not read is at figures that may be long gone: evicting
+            # or stepping KV on them would act on memory since freed (as while it hangs).
+            return
         snap = planner.snapshot()
         strategy = herd.runtime.strategy
         decide = "relieve" if callable(getattr(strategy, "relieve", None)) else None

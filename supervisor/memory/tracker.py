@@ -53,6 +53,8 @@ class Sample:
     # RAM a child holds that is its own (resident less file-backed and shared pages): the
     # kernel counts mmap'd weights as available, so only this part is in the RAM "used".
     private: Mapping[int, int] = field(default_factory=dict)
+    # GPUs whose reading failed this time, carried over at their last good figures.
+    stale: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -102,6 +104,11 @@ class MemoryTracker:
         self._ladders: dict[tuple[Any, ...], tuple[tuple[str, str], ...]] = {}
         self._calm_since: float | None = time.monotonic()
         self._reader_problem: str | None = None
+        self._read_failed = False  # this read had a problem (reading thread only)
+        # Each GPU's last good reading: a reader that fails (or answers nonsense) leaves the
+        # GPU where it was last seen, not gone; gone, a load would be placed without a look
+        # at it (estimated on the CPU, started on every GPU).
+        self._last_gpus: dict[str, Device] = {}
         self.kv_changes: dict[str, dict[str, int]] = {}  # model → {"down": n, "up": n}
 
     # -- reading (worker thread) ---------------------------------------------------------------
@@ -109,10 +116,11 @@ class MemoryTracker:
     def read(self, pids: Iterable[int]) -> Sample:
         """Read every device and `pids`' usage. Blocking: call it from a thread. What a GPU
         reader returns is checked: a plugin's bad figure is logged and left out, never let
-        into decisions."""
+        into decisions (a GPU it cannot read stays at its last good figures, `stale`)."""
         pids = list(pids)
-        devices = {d.name: d for d in self._gpu_devices()}
-        devices["cpu"] = self.ram.device()
+        self._read_failed = False
+        devices, stale = self._gpu_devices()
+        devices["cpu"] = self.ram.device()  # after the GPUs: a GPU named "cpu" is not RAM
         by_pid: dict[int, dict[str, int]] = {pid: {} for pid in pids}
         gpu_use = self._gpu_usage()
         for pid in pids:
@@ -131,20 +139,37 @@ class MemoryTracker:
         for pid, (rss, own) in self.ram.usage_detail(pids).items():
             by_pid[pid]["cpu"] = rss
             private[pid] = own
-        return Sample(time.monotonic(), devices, by_pid, private)
+        if not self._read_failed and self._reader_problem is not None:
+            log.info("memory.gpu_reader_recovered", reader=self.config.gpu_reader,
+                     was=self._reader_problem)
+            self._reader_problem = None
+        return Sample(time.monotonic(), devices, by_pid, private, frozenset(stale))
 
-    def _gpu_devices(self) -> list[Device]:
+    def _gpu_devices(self) -> tuple[dict[str, Device], set[str]]:
+        """Each GPU as read now, or as last read where this read failed for it (named in
+        the second value)."""
         try:
             found = list(self.gpu_reader.devices())
-            checked = [Device(str(d.name), "gpu", int(d.total), int(d.used), str(d.label))
-                       for d in found]
-            bad = [d.name for d in checked if d.total <= 0 or not 0 <= d.used <= d.total]
-            if bad:
-                raise ValueError(f"impossible figures for {', '.join(bad)}")
         except Exception as exc:
             self._reader_failed(f"devices(): {type(exc).__name__}: {exc}")
-            return []
-        return checked
+            return dict(self._last_gpus), set(self._last_gpus)
+        fresh: dict[str, Device] = {}
+        bad: list[str] = []
+        for d in found:
+            try:
+                device = Device(str(d.name), "gpu", int(d.total), int(d.used), str(d.label))
+            except Exception:  # None, NaN, not a Device at all
+                bad.append(str(getattr(d, "name", d)))
+                continue
+            if device.total <= 0 or not 0 <= device.used <= device.total:
+                bad.append(device.name)
+                continue
+            fresh[device.name] = device
+        if bad:
+            self._reader_failed(f"devices(): impossible figures for {', '.join(bad)}")
+        stale = {n for n in bad if n in self._last_gpus and n not in fresh}
+        self._last_gpus = {n: d for n, d in self._last_gpus.items() if n in stale} | fresh
+        return dict(self._last_gpus), stale
 
     def _gpu_usage(self) -> dict[int, dict[str, int]]:
         try:
@@ -159,10 +184,12 @@ class MemoryTracker:
         return {pid: usage for pid, usage in found.items() if pid not in bad}
 
     def _reader_failed(self, problem: str) -> None:
+        self._read_failed = True
         if problem != self._reader_problem:  # once per kind of failure
             self._reader_problem = problem
             log.error("memory.gpu_reader_failed", reader=self.config.gpu_reader, error=problem,
-                      note="GPU figures are left out until the reader answers again")
+                      note="a GPU it cannot read counts at its last good figures, and "
+                           "nothing is evicted for memory pressure, until it answers again")
 
     # -- bookkeeping (event loop) --------------------------------------------------------------
 
@@ -407,6 +434,7 @@ class MemoryTracker:
             self.gpu_reader = gpu_reader
             self._estimates.clear()
             self._reader_problem = None
+            self._last_gpus = {}  # another reader's GPUs are not these
 
 
 def _kv_of(spec: ModelSpec) -> KvTypes:
