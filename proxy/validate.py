@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from corral.proxy.errors import ApiError
-from corral.proxy.families.shapes import CHECKS
+from corral.proxy.families.shapes import CHECKS, MESSAGES_PATHS
 
 # Deeper JSON than this is refused: nothing OpenAI-shaped needs it (tool schemas included),
 # and Python's recursion limit would end the request somewhere far from the parser.
@@ -96,8 +96,8 @@ def check_fields(body: dict[str, Any], path: str = "/v1/chat/completions") -> No
         if not isinstance(tools, list):
             raise bad("'tools' must be a list of tools", "tools")
         # OpenAI's tools each say their `type`; Anthropic's each have a `name`, and a custom
-        # tool's `type` is optional (Claude Code sends none).
-        key = "name" if path == "/v1/messages" else "type"
+        # tool's `type` is optional (Claude Code sends none, on count_tokens too).
+        key = "name" if path in MESSAGES_PATHS else "type"
         for i, tool in enumerate(tools):
             if not isinstance(tool, dict) or not isinstance(tool.get(key), str) or (
                     not isinstance(tool.get("type", ""), str)):

@@ -135,6 +135,25 @@ def test_anthropic_sdk_messages_create_and_stream(corral: Corral) -> None:
             final.usage.output_tokens)
 
 
+def test_count_tokens_takes_claude_codes_tools_and_system_blocks(corral: Corral) -> None:
+    """Claude Code counts its context on /v1/messages/count_tokens with its own tools (a
+    name and an input_schema, no `type`) and a system of blocks: the same shapes as on
+    /v1/messages, so the same checks. They were read as OpenAI's there, each tool a 400."""
+    client = claude(corral)
+    ask = [{"role": "user", "content": ASK}]
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    tools = [{"name": "Read", "description": "Read a file",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                               "required": ["path"]}}]
+    bare = client.messages.count_tokens(model="tiny", messages=ask)
+    full = client.messages.count_tokens(model="tiny", messages=ask, system=system, tools=tools)
+    assert 0 < bare.input_tokens < full.input_tokens, (bare, full)
+    wrong = corral.http.post("/v1/messages/count_tokens", json={
+        "model": "tiny", "messages": ask, "tools": [{"name": "Read", "input_schema": "x"}]})
+    assert wrong.status_code == 400, wrong.text
+    assert wrong.json()["error"]["param"] == "tools[0].input_schema", wrong.text
+
+
 def test_server_timing_on_both_families(corral: Corral) -> None:
     for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
                        ("/v1/messages", {"max_tokens": 2,

@@ -184,5 +184,7 @@ def _block(block: dict[str, Any], where: str) -> None:
               _block, required=False)
 
 
+# The paths whose bodies are Messages requests: count_tokens takes one (less max_tokens).
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "/v1/responses": check_responses, "/v1/messages": check_messages_api}
+    "/v1/responses": check_responses, **dict.fromkeys(MESSAGES_PATHS, check_messages_api)}
