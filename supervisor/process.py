@@ -215,6 +215,10 @@ class ChildProcess:
         # The group was swept after the child was reaped (or found gone, or not ours): it is
         # never signalled again.
         self._group_gone = False
+        # Descendants seen outside the child's group (they called setsid or setpgid): a
+        # signal to the group misses them, so a stop signals each (psutil checks the pid is
+        # still that process's before it does).
+        self._escaped: dict[int, psutil.Process] = {}
         self._log = structlog.get_logger("corral.child").bind(model=name)
 
     @property
@@ -417,7 +421,9 @@ class ChildProcess:
             # Reaped earlier (and its group swept then): its pid may belong to someone else now.
             return self._proc.returncode
         self._log.info("child.stopping", grace=grace)
+        self._note_escaped()  # now, while the child's tree is whole
         self._signal_group(self.stop_signal)
+        self._signal_escaped(self.stop_signal)
         try:
             await asyncio.wait_for(self._proc.wait(), grace)
         except TimeoutError:
@@ -445,12 +451,43 @@ class ChildProcess:
         if self._proc is None:
             return
         reaped = self._proc.returncode is not None
+        self._note_escaped()
         self._signal_group(signal.SIGKILL)
+        self._signal_escaped(signal.SIGKILL)
+        self._escaped.clear()
         if reaped:
             self._group_gone = True
             self._remove_socket_dir()
         if self._keeper is not None:
             self._keeper.forget(self._proc.pid)
+
+    def _note_escaped(self) -> None:
+        """Note the child's descendants that left its process group. Only while the child is
+        not reaped: its orphans belong to init after that, and are not told apart from
+        anyone else's (nor, after a kill -9 of the daemon, by the keeper: docs/operations.md)."""
+        assert self._proc
+        if self._proc.returncode is not None:
+            return
+        try:
+            tree = psutil.Process(self._proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        found = []
+        for proc in tree:
+            with contextlib.suppress(OSError):
+                if proc.pid not in self._escaped and os.getpgid(proc.pid) != self._proc.pid:
+                    self._escaped[proc.pid] = proc
+                    found.append(proc.pid)
+        if found:
+            self._log.warning("child.left_its_group", pids=found,
+                              note="signalled one by one with the child's group")
+
+    def _signal_escaped(self, sig: signal.Signals) -> None:
+        for proc in self._escaped.values():
+            # NoSuchProcess: gone, or its pid is someone else's now (psutil compares the
+            # start time); AccessDenied: it became another user's (setuid).
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         """Signal the child's process group, only while it is provably the child's: the child
