@@ -249,6 +249,39 @@ def test_members_that_speak_responses_or_messages_are_asked_in_it(corral: Corral
                                      "data": "AAAA"}}]}]
 
 
+def test_one_call_at_a_time_and_strictness_translate(corral: Corral, logs: Path) -> None:
+    """Messages' `disable_parallel_tool_use` is chat's `parallel_tool_calls: false`, and back
+    out to a Messages member; a Responses member gets it as is, and each chat tool with the
+    `strict: false` chat means (the Responses API takes an absent `strict` as true)."""
+    tools_m = [{"name": TOOL["name"], "description": TOOL["description"],
+                "input_schema": TOOL["parameters"]}]
+    an(corral).messages.create(
+        model="tooly", max_tokens=MAX, tools=tools_m,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "weather?"}])
+    chat = sent(logs / "chat.jsonl")[-1]["body"]
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False, chat
+
+    oa(corral).chat.completions.create(
+        model="foreign", max_tokens=MAX, parallel_tool_calls=False,
+        tools=[{"type": "function", "function": TOOL}],
+        messages=[{"role": "user", "content": "weather?"}])
+    resp, msg = sent(logs / "resp.jsonl")[-1]["body"], sent(logs / "msg.jsonl")[-1]["body"]
+    assert resp["parallel_tool_calls"] is False, resp
+    assert resp["tools"] == [{"type": "function", "strict": False, **TOOL}], resp
+    assert msg["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}, msg
+
+
+def test_an_item_reference_is_refused_as_previous_response_id_is(corral: Corral) -> None:
+    """corral keeps no responses: an item_reference names nothing, and leaving it out would
+    give the members another conversation than the client's."""
+    refused = corral.http.post("/v1/responses", json={"model": "tooly", "input": [
+        {"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "and?"}]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "input" and "item_reference" in error["message"], error
+
+
 def test_llama_server_asked_on_messages_as_a_member(corral: Corral) -> None:
     """llama-server as a command child with `api: messages`: the member is ok only if its
     answer was a Messages one (a chat completion has no `content` blocks to read), and its

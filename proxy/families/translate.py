@@ -146,8 +146,13 @@ def _response_item(item: Any, messages: list[dict[str, Any]], where: str) -> Non
                       f"{where}.call_id")
         messages.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else json.dumps(output)})
-    elif kind in ("reasoning", "item_reference"):
-        return  # a model's own reasoning, or a stored item: nothing a member can read
+    elif kind == "reasoning":
+        return  # a model's own reasoning: nothing a member can read
+    elif kind == "item_reference":
+        # An item of a stored response: corral keeps none, and leaving it out would give
+        # the members another conversation than the client's (as previous_response_id).
+        raise bad(f"{where}: corral keeps no responses, so an item_reference names nothing; "
+                  "send the item itself", "input")
     else:
         raise bad(f"{where}: items of type {str(kind)[:40]!r} are not supported by groups "
                   f"(message, function_call and function_call_output are)", "input")
@@ -201,6 +206,8 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         elif kind == "tool" and isinstance(choice, dict):
             chat["tool_choice"] = {"type": "function",
                                    "function": {"name": _name(choice, "tool_choice")}}
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
+            chat["parallel_tool_calls"] = False  # at most one call: chat's way to say it
     return chat
 
 
@@ -316,11 +323,16 @@ def _chat_to_responses(chat: dict[str, Any]) -> dict[str, Any]:
     # group's member call is one turn of a conversation corral does not keep either.
     out: dict[str, Any] = {"model": chat.get("model"), "input": items, "stream": False,
                            "store": False,
-                           **_copy(chat, {"temperature": "temperature", "top_p": "top_p"})}
+                           **_copy(chat, {"temperature": "temperature", "top_p": "top_p",
+                                          "parallel_tool_calls": "parallel_tool_calls"})}
     limit = chat.get("max_completion_tokens") or chat.get("max_tokens")
     if limit:
         out["max_output_tokens"] = limit
-    tools = [{"type": "function", **(t.get("function") or {})} for t in chat.get("tools") or []]
+    # `strict` and `parameters` are required keys of a Responses function tool, and OpenAI's
+    # Responses API takes an absent `strict` as true (it then refuses a schema that is not
+    # strict-ready): chat's default is not strict, so say so.
+    tools = [{"type": "function", "parameters": None, "strict": False,
+              **(t.get("function") or {})} for t in chat.get("tools") or []]
     if tools:
         out["tools"] = tools
         choice = chat.get("tool_choice")
@@ -387,6 +399,10 @@ def _chat_to_messages(chat: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(choice, dict):
             out["tool_choice"] = {"type": "tool",
                                   "name": (choice.get("function") or {}).get("name")}
+        # At most one call: Messages says it on the tool choice (a `none` takes no flag).
+        if chat.get("parallel_tool_calls") is False and choice != "none":
+            out["tool_choice"] = {"type": "auto", **out.get("tool_choice", {}),
+                                  "disable_parallel_tool_use": True}
     return out
 
 
