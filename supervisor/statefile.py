@@ -133,19 +133,23 @@ class ChildRegistry:
     def reap_leftovers(self) -> list[int]:
         """Kill the process groups of children a previous daemon left behind."""
         try:
-            records = [ChildRecord(**r) for r in json.loads(self.path.read_text())]
+            raw = json.loads(self.path.read_bytes())
         except FileNotFoundError:
             return []
-        except (ValueError, TypeError) as exc:
-            log.warning("statefile.unreadable", path=str(self.path), error=str(exc))
+        except (OSError, ValueError) as exc:
+            # Another user's file (a `sudo corral serve` once), a directory, bytes that are
+            # not JSON: nothing to reap by, and no reason not to serve.
+            log.warning("statefile.unreadable", path=str(self.path),
+                        error=f"{type(exc).__name__}: {exc}")
+            self.clear()
             return []
         reaped = []
-        for rec in records:
+        for rec in _records(raw, self.path):
             try:
                 proc = psutil.Process(rec.pid)
                 if abs(proc.create_time() - rec.create_time) > 0.01:
                     continue
-            except psutil.NoSuchProcess:
+            except psutil.Error:  # gone; or not ours to look at, so not ours to kill
                 continue
             # Children lead their own process group (start_new_session): group id == pid.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -158,4 +162,22 @@ class ChildRegistry:
         return reaped
 
     def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:  # a directory, a read-only dir: the next record() says more
+            log.warning("statefile.not_cleared", path=str(self.path), error=str(exc))
+
+
+def _records(raw: object, path: Path) -> list[ChildRecord]:
+    """The well-formed records of a state file's JSON: a pid of 0, 1 or less (os.killpg(0)
+    is the caller's own group), a string or a float is nobody corral could have started."""
+    records = []
+    for entry in raw if isinstance(raw, list) else [raw]:
+        if (isinstance(entry, dict)
+                and isinstance(pid := entry.get("pid"), int) and not isinstance(pid, bool)
+                and pid > 1 and isinstance(started := entry.get("create_time"), (int, float))
+                and isinstance(model := entry.get("model", ""), str)):
+            records.append(ChildRecord(model, pid, float(started)))
+        else:
+            log.warning("statefile.record_skipped", path=str(path), record=repr(entry)[:200])
+    return records
