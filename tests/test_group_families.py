@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent
 
 from conftest import Corral, llama_server_binary, tiny_config
 
@@ -270,6 +273,49 @@ def test_one_call_at_a_time_and_strictness_translate(corral: Corral, logs: Path)
     assert resp["parallel_tool_calls"] is False, resp
     assert resp["tools"] == [{"type": "function", "strict": False, **TOOL}], resp
     assert msg["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}, msg
+
+
+def _event_types(union: Any) -> dict[str, type]:
+    """The SDK's model of each event in a stream union, by its `type`."""
+    if typing.get_origin(union) is typing.Annotated:
+        union = typing.get_args(union)[0]
+    return {typing.get_args(model.model_fields["type"].annotation)[0]: model
+            for model in typing.get_args(union)}
+
+
+def _events(corral: Corral, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with corral.http.stream("POST", path, json={**body, "stream": True}) as stream:
+        return [json.loads(line[5:]) for line in stream.iter_lines()
+                if line.startswith("data:")]
+
+
+def test_every_object_and_event_validates_against_the_sdks_types(corral: Corral) -> None:
+    """The SDKs read answers leniently (a missing field is an AttributeError later, in the
+    client's code): each whole answer and each event of a group's stream, text, tool calls
+    or broken, is checked here against their models strictly, every required field."""
+    responses_events = _event_types(ResponseStreamEvent)
+    messages_events = _event_types(RawMessageStreamEvent)
+    tools_r = [{"type": "function", **TOOL}]
+    tools_m = [{"name": TOOL["name"], "input_schema": TOOL["parameters"]}]
+    for group, tools in (("foreign", False), ("tooly", True), ("broken", False)):
+        body: dict[str, Any] = {"model": group, "input": "hi", "max_output_tokens": MAX}
+        if tools:
+            body["tools"] = tools_r
+        if group != "broken":
+            Response.model_validate(corral.http.post("/v1/responses", json=body).json())
+        for event in _events(corral, "/v1/responses", body):
+            responses_events[event["type"]].model_validate(event)
+        body = {"model": group, "max_tokens": MAX, "messages": [{"role": "user",
+                                                                 "content": "hi"}]}
+        if tools:
+            body["tools"] = tools_m
+        if group != "broken":
+            Message.model_validate(corral.http.post("/v1/messages", json=body).json())
+        for event in _events(corral, "/v1/messages", body):
+            if event["type"] == "error":
+                ErrorResponse.model_validate(event)
+            elif event["type"] != "ping":  # a keep-alive the SDKs skip
+                messages_events[event["type"]].model_validate(event)
 
 
 def test_an_item_reference_is_refused_as_previous_response_id_is(corral: Corral) -> None:

@@ -111,7 +111,7 @@ class ResponsesWriter(FamilyWriter):
             tokens_in, tokens_out = _tokens(answer)
             usage = {"input_tokens": tokens_in, "output_tokens": tokens_out,
                      "total_tokens": tokens_in + tokens_out,
-                     "input_tokens_details": {"cached_tokens": 0},
+                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                      "output_tokens_details": {"reasoning_tokens": 0}}
         cut = status == "incomplete"
         out = {"id": self.id, "object": "response", "created_at": self.created,
