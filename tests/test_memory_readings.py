@@ -163,3 +163,22 @@ def test_a_load_is_not_let_onto_a_full_gpu_while_its_reader_fails(
     assert response.status_code == 503, response.text
     assert "critical watermark" in response.json()["error"]["message"]
     assert corral.spawned("tiny-a") == []
+
+
+@pytest.mark.expect_log("memory.gpu_reader_failed")
+def test_a_driver_that_never_answers_holds_neither_ram_readings_nor_the_exit(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The GPU read waits in a thread of its own, with its own deadline: RAM is sampled
+    while it hangs, and corral stops on SIGTERM with the read still hung (the teardown
+    checks the exit)."""
+    gpu, hang = tmp_path / "gpu.json", tmp_path / "hang"
+    write_gpu(gpu, total_mb=10000, others_mb=1000)
+    hang.touch()  # and it stays: the driver never answers
+    corral = start_corral(tiny_config(
+        tiny_models, ["tiny-a"],
+        memory={"interval": 0.2, "gpu_reader": f"plugin:{FAKE_GPU}:FileGpu",
+                "gpu_reader_options": {"path": str(gpu), "hang_while": str(hang)}}))
+    wait_until(lambda: corral.log_events("memory.gpu_reader_failed"), timeout=30)
+    memory = corral.http.get("/admin/memory").json()
+    assert [d["name"] for d in memory["devices"]] == ["cpu"]
+    assert memory["sampled_ago"] is not None and memory["sampled_ago"] < 10

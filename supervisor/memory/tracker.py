@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -74,6 +75,28 @@ _PLACEMENT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
                             "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 # Estimates kept (each start key once); split shares vary with free memory, so bounded.
 _ESTIMATES_KEPT = 512
+# How long a sample waits for the GPU reader (under the memory loop's own deadline): a driver
+# that hangs leaves its GPUs at their last figures while RAM and the children go on being read.
+GPU_READ_TIMEOUT_S = 5.0
+
+GpuReading = tuple[dict[str, Device], set[str], dict[int, dict[str, int]]]
+
+
+class _GpuRead:
+    """One read of the GPU reader in a thread of its own; a daemon thread, so a driver that
+    never answers holds neither a sample nor corral's exit."""
+
+    def __init__(self, read: Any) -> None:
+        self.done = threading.Event()
+        self.result: GpuReading | None = None
+        threading.Thread(target=self._run, args=(read,), daemon=True,
+                         name="corral-gpu-read").start()
+
+    def _run(self, read: Any) -> None:
+        try:
+            self.result = read()
+        finally:
+            self.done.set()
 
 
 def start_key(spec: ModelSpec, kv: KvTypes, gpus: tuple[str, ...]) -> tuple[Any, ...]:
@@ -109,6 +132,7 @@ class MemoryTracker:
         # GPU where it was last seen, not gone; gone, a load would be placed without a look
         # at it (estimated on the CPU, started on every GPU).
         self._last_gpus: dict[str, Device] = {}
+        self._gpu_read: _GpuRead | None = None  # the one read of the GPUs under way
         self.kv_changes: dict[str, dict[str, int]] = {}  # model → {"down": n, "up": n}
 
     # -- reading (worker thread) ---------------------------------------------------------------
@@ -119,10 +143,9 @@ class MemoryTracker:
         into decisions (a GPU it cannot read stays at its last good figures, `stale`)."""
         pids = list(pids)
         self._read_failed = False
-        devices, stale = self._gpu_devices()
+        devices, stale, gpu_use = self._read_gpus()
         devices["cpu"] = self.ram.device()  # after the GPUs: a GPU named "cpu" is not RAM
         by_pid: dict[int, dict[str, int]] = {pid: {} for pid in pids}
-        gpu_use = self._gpu_usage()
         for pid in pids:
             for device, used in gpu_use.get(pid, {}).items():
                 found = devices.get(device)
@@ -144,6 +167,22 @@ class MemoryTracker:
                      was=self._reader_problem)
             self._reader_problem = None
         return Sample(time.monotonic(), devices, by_pid, private, frozenset(stale))
+
+    def _read_gpus(self) -> GpuReading:
+        """The GPUs and what each process holds there, within GPU_READ_TIMEOUT_S; else the
+        GPUs at their last figures (all stale). One read at a time: a hung one is waited on
+        again at the next sample, never joined by a second thread."""
+        if self._gpu_read is None:
+            self._gpu_read = _GpuRead(lambda: (*self._gpu_devices(), self._gpu_usage()))
+        pending = self._gpu_read
+        if not pending.done.wait(GPU_READ_TIMEOUT_S):
+            self._reader_failed(f"no answer within {GPU_READ_TIMEOUT_S:g}s (a driver that "
+                                "hangs)")
+            return dict(self._last_gpus), set(self._last_gpus), {}
+        self._gpu_read = None
+        if pending.result is None:  # raised past its own checks
+            return dict(self._last_gpus), set(self._last_gpus), {}
+        return pending.result
 
     def _gpu_devices(self) -> tuple[dict[str, Device], set[str]]:
         """Each GPU as read now, or as last read where this read failed for it (named in
@@ -435,6 +474,7 @@ class MemoryTracker:
             self._estimates.clear()
             self._reader_problem = None
             self._last_gpus = {}  # another reader's GPUs are not these
+            self._gpu_read = None
 
 
 def _kv_of(spec: ModelSpec) -> KvTypes:
