@@ -353,14 +353,16 @@ def test_a_broken_group_stream_ends_in_the_familys_error(corral: Corral) -> None
 
     kinds: list[str] = []
     with pytest.raises(openai.APIError) as failed, \
-            oa(corral).responses.stream(model="broken", input="hi") as rstream:
+            oa(corral).responses.stream(model="broken", input="hi",
+                                        max_output_tokens=MAX) as rstream:
         for event in rstream:
             kinds.append(event.type)
     assert "response.failed" in kinds and "breaker" in str(failed.value)
 
     with pytest.raises(openai.APIError):
         for _ in oa(corral).chat.completions.create(
-                model="broken", stream=True, messages=[{"role": "user", "content": "hi"}]):
+                model="broken", stream=True, max_tokens=MAX,
+                messages=[{"role": "user", "content": "hi"}]):
             pass
 
 
