@@ -452,14 +452,18 @@ async def _relay_after_progress(request: web.Request, model: str,
 
 
 def _documented(response: web.StreamResponse, model: str) -> web.StreamResponse:
-    """A child's whole (unstreamed) error answer, reshaped: our error shape, our statuses."""
-    if response.prepared or response.status < 400 or not isinstance(response, web.Response):
+    """A child's whole (unstreamed) error answer or redirect, reshaped: our error shape, our
+    statuses."""
+    if response.prepared or response.status < 300 or not isinstance(response, web.Response):
         return response
     body = response.body if isinstance(response.body, bytes) else b""
     if response.status >= 500:
         log.warning("proxy.child_error", model=model, status=response.status,
                     body=body[:300].decode(errors="replace"))
-    return child_error(response.status, body, model)
+    elif response.status < 400:
+        log.warning("proxy.child_redirect", model=model, status=response.status,
+                    location=response.headers.get("Location", "")[:300])
+    return child_error(response.status, body, model, response.headers.get("Retry-After"))
 
 
 async def batch(request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,8 @@ from corral.supervisor.errors import (
 )
 
 __all__ = ["ApiError", "UnknownGroup", "UpstreamFailed", "UpstreamRejected", "UpstreamTimeout",
-           "error_response", "http_error", "method_not_allowed", "shape_of", "sse_error_event"]
+           "error_response", "http_error", "method_not_allowed", "shape_of", "sse_error_event",
+           "without_secrets"]
 
 
 def error_response(status: int, message: str, *, kind: str = "invalid_request_error",
@@ -133,10 +135,27 @@ def http_error(exc: SupervisorError | UpstreamFailed,
                           retry_after=getattr(exc, "retry_after", None), extra=extra)
 
 
-def child_error(status: int, payload: bytes, model: str) -> web.Response:
+def child_error(status: int, payload: bytes, model: str,
+                retry_after: str | None = None) -> web.Response:
     """A child's own error answer, in our shape and with a status we document: its 4xx stay
     (the request was refused), its other 5xx (llama-server answers 500 to some malformed
-    requests, 501 to a feature it was not started with) become 502."""
+    requests, 501 to a feature it was not started with) become 502, and a redirect (3xx) is a
+    502 too: corral does not follow it. `retry_after`: the child's Retry-After, passed on (a
+    provider's 429 or 503 says when to come back; the client's SDK reads it)."""
+    if 300 <= status < 400:
+        # Following would send the body and the remote's key wherever it points; passing it
+        # on would send the client there (a relative Location even back to corral).
+        return error_response(502, f"{model} answered HTTP {status}, a redirect, which corral "
+                              "does not follow: its `url` may be out of date (the location "
+                              "is in corral's log)", kind="server_error",
+                              code="upstream_redirect")
+    response = _child_error(status, payload, model)
+    if retry_after and response.status in (429, 503) and len(retry_after) <= 64:
+        response.headers["Retry-After"] = retry_after
+    return response
+
+
+def _child_error(status: int, payload: bytes, model: str) -> web.Response:
     message, kind = _child_message(payload)
     if status in (401, 403):
         # Only a remote endpoint refuses corral's key (a child has the one corral gave it):
@@ -148,6 +167,17 @@ def child_error(status: int, payload: bytes, model: str) -> web.Response:
                               kind="server_error", code="upstream_error")
     return error_response(status, message, kind=kind or "invalid_request_error",
                           code="upstream_error" if status >= 500 else None)
+
+
+def without_secrets(payload: bytes, headers: Mapping[str, str]) -> bytes:
+    """A child's error answer less the credentials corral sent it (`headers`: the lease's, a
+    remote's `Authorization: Bearer <api_key>`): some servers quote a key they refuse, and
+    their message goes on to the client and into the log."""
+    for value in headers.values():
+        secret = value.rpartition(" ")[2].encode()
+        if len(secret) >= 8 and secret in payload:
+            payload = payload.replace(secret, b"[redacted]")
+    return payload
 
 
 def _child_message(payload: bytes) -> tuple[str, str | None]:

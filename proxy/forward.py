@@ -19,7 +19,12 @@ from corral.proxy.child_http import (
     Silent,
 )
 from corral.proxy.client_io import ClientWriter
-from corral.proxy.errors import UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from corral.proxy.errors import (
+    UpstreamFailed,
+    UpstreamRejected,
+    UpstreamTimeout,
+    without_secrets,
+)
 from corral.proxy.families.wire import StreamHead, Wire, wire_for
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
 from corral.proxy.sse import sse_headers
@@ -91,9 +96,11 @@ async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body:
                 f"{model} sent no response within {lease.first_byte_timeout:g}s "
                 "(first_byte_timeout)") from exc
         except NotBegun as exc:
-            # A remote's POST that reached it may have been done (and paid for): never sent
-            # twice. A child of corral's closes idle kept-alive connections itself.
-            if attempt < 3 and lease.child_alive() and not (exc.sent and lease.pid is None):
+            # A remote is never sent a request twice: a POST that reached it may have been
+            # done (and paid for), and a connect that failed or timed out fails again (three
+            # tries made its 10 s connect timeout 30). A child of corral's closes idle
+            # kept-alive connections itself.
+            if attempt < 3 and lease.pid is not None and lease.child_alive():
                 log.info("upstream.retry", model=model, attempt=attempt, error=str(exc))
                 continue
             raise UpstreamFailed(f"{model} dropped the request: {exc}") from exc
@@ -141,6 +148,8 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                 payload = await upstream.read(answer_limit)
             except ChildHttpError as exc:
                 raise _child_broken(model, exc, "while answering") from exc
+            if upstream.status >= 300:
+                payload = without_secrets(payload, lease.headers)  # a remote may quote its key
             if record is not None:
                 record.first_bytes()
                 if lease.restored is not None:
@@ -318,6 +327,8 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         data["model"] = lease.model
     if lease.restored is not None:  # the prompt cache checks its restore
         timings = data.get("timings")
+    if upstream.status != 200:
+        raw = without_secrets(raw, lease.headers)
         cache_n = timings.get("cache_n") if isinstance(timings, dict) else None
         lease.reused(cache_n if type(cache_n) is int else None)
     return data

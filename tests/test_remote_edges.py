@@ -1,0 +1,190 @@
+"""A remote endpoint's edges, against a stdlib stand-in that answers by the `model` asked of
+it: a provider's rate limit (429/503 with Retry-After), a redirect to another host, an error
+that quotes corral's own key back, and a URL with a path prefix. Plus the relay's client
+against an endpoint that never completes a TCP handshake (connect timeout, once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from corral.proxy.child_http import ChildPool
+from corral.proxy.errors import UpstreamFailed
+from corral.proxy.forward import open_child
+
+from conftest import Corral, CorralFactory, free_port
+
+KEY = "sk-remote-7c41d2e9b0"
+
+
+def _answer(status: str, body: dict[str, Any], *extra: str) -> bytes:
+    raw = json.dumps(body).encode()
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json",
+            f"Content-Length: {len(raw)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "code": None}}
+
+
+class Remote:
+    """A raw HTTP/1.1 server in a thread; each request's head and body are kept, and the
+    answer is chosen by the `model` the request names (its served_name)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.seen: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while True:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, data = data.partition(b"\r\n\r\n")
+                first, *lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip()
+                           for k, _, v in (line.partition(":") for line in lines)}
+                length = int(headers.get("content-length", "0"))
+                while len(data) < length:
+                    data += conn.recv(65536)
+                body, data = json.loads(data[:length] or b"{}"), data[length:]
+                self.seen.append((first.split(" ")[1], headers, body))
+                conn.sendall(self._reply(body.get("model")))
+
+    @staticmethod
+    def _reply(model: Any) -> bytes:
+        if model == "busy":
+            return _answer("429 Too Many Requests", _error("Rate limit reached"),
+                           "Retry-After: 7")
+        if model == "overloaded":
+            return _answer("503 Service Unavailable", _error("overloaded"), "Retry-After: 3")
+        if model == "moved":
+            return _answer("307 Temporary Redirect", _error("moved"),
+                           "Location: https://elsewhere.example/v1/chat/completions")
+        if model == "echo":
+            return _answer("401 Unauthorized", _error(f"Incorrect API key provided: {KEY}"))
+        if model == "echo-400":
+            return _answer("400 Bad Request", _error(f"bad request for key Bearer {KEY}"))
+        return _answer("200 OK", {
+            "id": "r", "object": "chat.completion", "model": model, "choices": [{
+                "index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "ok"}}]})
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[Remote]:
+    server = Remote()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, remote: Remote) -> Corral:
+    base = f"http://127.0.0.1:{remote.port}"
+    models = {name: {"backend": "remote", "url": f"{base}/openai/v1/", "api_key": KEY,
+                     "served_name": name}
+              for name in ("busy", "overloaded", "moved", "echo", "echo-400", "fine")}
+    corral = start_corral_module({"models": models})
+    corral.expect("proxy.request_failed")
+    return corral
+
+
+def test_a_remotes_retry_after_reaches_the_client(corral: Corral) -> None:
+    answer = corral.chat("busy")
+    assert answer.status_code == 429, answer.text
+    assert answer.headers.get("Retry-After") == "7", answer.headers
+    assert answer.json()["error"]["message"] == "Rate limit reached", answer.json()
+    answer = corral.chat("overloaded")
+    assert answer.status_code == 503, answer.text
+    assert answer.headers.get("Retry-After") == "3", answer.headers
+
+
+def test_a_remotes_redirect_is_a_502_never_passed_on_nor_followed(
+        corral: Corral, remote: Remote) -> None:
+    before = len(remote.seen)
+    for stream in (False, True):
+        answer = corral.chat("moved", stream=stream)
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["code"] == "upstream_redirect", answer.json()
+        assert "Location" not in answer.headers, answer.headers
+    assert len(remote.seen) == before + 2  # asked once each, nothing followed
+
+
+def test_a_remote_that_quotes_corrals_key_never_shows_it(corral: Corral) -> None:
+    for model, status in (("echo", 502), ("echo-400", 400)):
+        answer = corral.chat(model)
+        assert answer.status_code == status, answer.text
+        assert KEY not in answer.text, answer.text
+    assert KEY not in corral.log_path.read_text()
+
+
+def test_the_key_and_the_path_prefix_go_to_the_remote(corral: Corral, remote: Remote) -> None:
+    answer = corral.chat("fine")
+    assert answer.status_code == 200 and answer.json()["model"] == "fine", answer.text
+    path, headers, body = remote.seen[-1]
+    assert path == "/openai/v1/chat/completions", path
+    assert headers["authorization"] == f"Bearer {KEY}", headers
+    assert headers["host"] == f"127.0.0.1:{remote.port}", headers
+    assert body["model"] == "fine"
+
+
+def test_a_connect_that_hangs_costs_one_connect_timeout_not_three() -> None:
+    """An endpoint that never completes the handshake (a firewall that drops SYNs, here a
+    listener whose accept queue is full) is given up after one connect timeout: a connect
+    is not sent again at once, as a stale kept-alive connection would be."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # the accept queue full: later SYNs are dropped, the connect hangs
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    lease = SimpleNamespace(base_url=f"http://127.0.0.1:{port}", served_name=None, headers={},
+                            first_byte_timeout=5.0, idle_timeout=5.0, pid=None,
+                            child_alive=lambda: True, refused=lambda: None)
+
+    async def pin(_url: str, body: bytes, _parsed: Any = None) -> bytes:
+        return body
+    lease.pin = pin
+
+    async def attempt() -> float:
+        pool = ChildPool(connect_timeout=0.5)
+        began = time.monotonic()
+        with pytest.raises(UpstreamFailed, match=r"within 0\.5s"):
+            await open_child(pool, "/v1/chat/completions", "far", lease,  # type: ignore[arg-type]
+                             b"{}", "application/json")
+        return time.monotonic() - began
+
+    try:
+        assert asyncio.run(attempt()) < 1.2
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
