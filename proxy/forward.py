@@ -313,6 +313,8 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         upstream.close()  # cancelled: make the child see the hang-up
         raise
     upstream.release()
+    if upstream.status != 200:
+        raw = without_secrets(raw, lease.headers)
     try:
         data = json.loads(raw) if raw else None
     except (ValueError, RecursionError) as exc:  # a hostile upstream nests deep
@@ -327,8 +329,6 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         data["model"] = lease.model
     if lease.restored is not None:  # the prompt cache checks its restore
         timings = data.get("timings")
-    if upstream.status != 200:
-        raw = without_secrets(raw, lease.headers)
         cache_n = timings.get("cache_n") if isinstance(timings, dict) else None
         lease.reused(cache_n if type(cache_n) is int else None)
     return data
