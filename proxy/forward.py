@@ -204,6 +204,9 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     tail = record.tail if record is not None else None
     renamer = StreamRenamer(lease.served_name, lease.model, wire) \
         if lease.served_name is not None else None
+    # A Responses stream without its events' indexes (llama-server's) gets them; one that
+    # has them is known by its first event, and then relayed as it comes.
+    numbering = wire.numbering()
     # The stream's first event, read from its first chunks only (Messages' input tokens, the
     # Responses id its failure must name).
     head = wire.head()
@@ -212,7 +215,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     # in the connection's callback: no task wakes per chunk. This task then waits for the
     # end, a failure, or a client that is behind (it waits for the client, then the child is
     # read again).
-    direct = renamer is None  # the first chunk is yet to go out the usual way
+    direct = renamer is None and numbering is None  # the first chunk is yet to go out
     sink: Callable[[bytes], bool] | None = None
     held = b""  # a start that waits for its first event (wire.holds_start)
     try:
@@ -235,6 +238,12 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             if not chunk:
                 if held:  # a stream too short to show its first event
                     await out.write(renamer.feed(held) if renamer is not None else held)
+                if numbering is not None:
+                    rest = numbering.flush()
+                    if renamer is not None:
+                        rest = renamer.feed(rest)
+                    if rest:
+                        await out.write(rest)
                 if renamer is not None:
                     rest = renamer.flush()
                     if rest:
@@ -256,10 +265,15 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                     chunk, held = wire.start(head, lease.model) + held + chunk, b""
                 if head.done and record is not None:
                     record.read_stream_head(head)
+            if numbering is not None:
+                chunk = numbering.feed(chunk)
+                if numbering.passing:
+                    numbering = None
+                    direct = renamer is None
             if renamer is not None:
                 chunk = renamer.feed(chunk)
-                if not chunk:
-                    continue
+            if not chunk:
+                continue
             await out.write(chunk)
             if direct and head.done:
                 direct = False

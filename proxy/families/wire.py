@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from corral.proxy import request_id
+from corral.proxy.families.numbering import EventNumbering
 from corral.proxy.sse import DONE, error_event, typed
 
 __all__ = ["CHAT", "MESSAGES", "RESPONSES", "StreamHead", "Tokens", "Wire", "count",
@@ -62,6 +63,11 @@ class Wire:
     def start(self, head: StreamHead, model: str) -> bytes:
         """What goes out before a stream's first event, when the child left it out."""
         return b""
+
+    def numbering(self) -> EventNumbering | None:
+        """What fills in the numbers a stream's events lack (Responses' indexes), if this
+        family's events carry any."""
+        return None
 
     def usage(self, data: dict[str, Any]) -> Tokens:
         """The tokens an answer or a stream event reports, (None, None) when it has none."""
@@ -166,6 +172,9 @@ class ResponsesWire(Wire):
     final_events = last_events | {b"response.failed", b"error"}
     nested = ("response",)
     reads_head = True  # the response's id, for the `response.failed` that may end it
+
+    def numbering(self) -> EventNumbering | None:
+        return EventNumbering()
 
     def usage(self, data: dict[str, Any]) -> Tokens:
         usage = _dict(data.get("usage"))

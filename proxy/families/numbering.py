@@ -1,0 +1,142 @@
+"""The numbers a Responses stream's events carry, put in where the server left them out.
+
+OpenAI's Responses events say where they belong: `sequence_number` on every event,
+`output_index` (which item of the response's `output`) on the item's events, `content_index`
+(which part of the item's `content`) on a part's. The OpenAI SDK's `responses.stream()` helper
+(and any client that builds the response up by index) looks items and parts up by them.
+llama-server's `/v1/responses` stream leaves all three out, and `logprobs` of its text events:
+through corral they are filled in, counted the way OpenAI counts them (items in the order they
+were added, a part's index within its item). A stream whose first event already carries a
+`sequence_number` (vLLM's, transformers', OpenAI's own) numbers its own events and passes
+through untouched, byte for byte.
+
+Each event is read once and the missing numbers appended at its end (its own bytes are kept):
+O(1) per event, and the memory held is one partial line and a bounded map of item ids."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["EventNumbering"]
+
+# The longest partial line held back for numbering (an SSE event is far smaller); what has
+# no line end by then goes out as it is, as the relay would send it.
+_LINE_LIMIT = 1 << 20
+# The items whose ids are remembered (a response has a few; a hostile stream may add any
+# number): past this the oldest is forgotten, and its later events take the latest item's index.
+_ITEMS_LIMIT = 256
+
+# The events that name a content part of their item (`content_index`).
+_PART_EVENTS = frozenset({
+    "response.content_part.added", "response.content_part.done",
+    "response.output_text.delta", "response.output_text.done",
+    "response.output_text.annotation.added",
+    "response.reasoning_text.delta", "response.reasoning_text.done",
+    "response.refusal.delta", "response.refusal.done",
+})
+# Text events, whose `logprobs` list the SDK's types require (empty: none were asked for).
+_TEXT_EVENTS = frozenset({"response.output_text.delta", "response.output_text.done"})
+
+
+class EventNumbering:
+    """A Responses stream's chunks, with `sequence_number`, `output_index`, `content_index`
+    (and a text event's `logprobs`) added to every `data:` event that lacks them, once the
+    first event showed the stream does not number its own (`passing` otherwise: then every
+    chunk goes out as it came). Chunks split events anywhere: whole lines go out, the last
+    partial line waits for the next chunk."""
+
+    __slots__ = ("_items", "_next_output", "_rest", "_sequence", "decided", "passing")
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self.decided = False  # the first event was read
+        self.passing = False  # the stream numbers its own events
+        self._sequence = 0
+        self._next_output = 0
+        # item id -> [output index, index of its latest content part (-1: none yet)]
+        self._items: dict[str, list[int]] = {}
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.passing:
+            return chunk
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1
+        if not cut and len(data) > _LINE_LIMIT:
+            self._rest = b""
+            return data
+        self._rest = data[cut:]
+        out: list[bytes] = []
+        at = 0
+        for line in data[:cut].splitlines(keepends=True):
+            out.append(self._line(line))
+            at += len(line)
+            if self.passing:  # the rest of what came is the child's, untouched
+                out.append(data[at:])
+                self._rest = b""
+                break
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return self._line(rest) if rest and not self.passing else rest
+
+    def _line(self, line: bytes) -> bytes:
+        if not line.startswith(b"data:"):
+            return line
+        body = line[5:].strip()
+        try:
+            event = json.loads(body)
+        except (ValueError, RecursionError):  # a hostile upstream nests deep
+            return line
+        if not isinstance(event, dict):
+            return line
+        if not self.decided:
+            self.decided = True
+            if "sequence_number" in event:
+                self.passing = True
+                return line
+        added = self._numbers(event)
+        if not added:
+            return line
+        ending = line[len(line.rstrip(b"\r\n")):]
+        head = body[:-1] + b"," if event else b"{"
+        return b"data: " + head + added[1:] + b"}" + ending
+
+    def _numbers(self, event: dict[str, Any]) -> bytes:
+        """What `event` lacks, as `,"key":value` pairs."""
+        added = b""
+        if "sequence_number" not in event:
+            added += b',"sequence_number":%d' % self._sequence
+        self._sequence += 1
+        kind = event.get("type")
+        item = event.get("item")
+        item_id = item.get("id") if isinstance(item, dict) else event.get("item_id")
+        if kind == "response.output_item.added":
+            own = event.get("output_index")
+            index = own if type(own) is int else self._next_output
+            self._next_output = max(self._next_output, index + 1)
+            if isinstance(item_id, str):
+                self._remember(item_id, index)
+            place = [index, -1]
+        elif item is None and item_id is None:
+            return added  # not an item's event (the response's own, an error)
+        else:
+            found = self._items.get(item_id) if isinstance(item_id, str) else None
+            # An item never added, or forgotten: the latest one's.
+            place = found if found is not None else [max(self._next_output - 1, 0), -1]
+        if "output_index" not in event:
+            added += b',"output_index":%d' % place[0]
+        if kind in _PART_EVENTS:
+            if kind == "response.content_part.added":
+                place[1] += 1
+            if "content_index" not in event:
+                added += b',"content_index":%d' % max(place[1], 0)
+            if kind in _TEXT_EVENTS and "logprobs" not in event:
+                added += b',"logprobs":[]'
+        return added
+
+    def _remember(self, item_id: str, index: int) -> None:
+        if len(self._items) >= _ITEMS_LIMIT:
+            del self._items[next(iter(self._items))]
+        self._items[item_id] = [index, -1]
