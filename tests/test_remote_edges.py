@@ -110,7 +110,9 @@ def corral(start_corral_module: CorralFactory, remote: Remote) -> Corral:
     models = {name: {"backend": "remote", "url": f"{base}/openai/v1/", "api_key": KEY,
                      "served_name": name}
               for name in ("busy", "overloaded", "moved", "echo", "echo-400", "fine")}
-    corral = start_corral_module({"models": models})
+    pair = {"type": "parallel", "models": ["echo", "fine"], "fallback": "partial",
+            "required_responses": 1}
+    corral = start_corral_module({"models": models, "groups": {"pair": pair}})
     corral.expect("proxy.request_failed")
     return corral
 
@@ -141,6 +143,11 @@ def test_a_remote_that_quotes_corrals_key_never_shows_it(corral: Corral) -> None
         answer = corral.chat(model)
         assert answer.status_code == status, answer.text
         assert KEY not in answer.text, answer.text
+    # A group's member: its error is in the group's answer.
+    answer = corral.http.post("/v1/batch/execute", json={
+        "group": "pair", "messages": [{"role": "user", "content": "hi"}]})
+    assert "Incorrect API key provided: [redacted]" in answer.text, answer.text
+    assert KEY not in answer.text, answer.text
     assert KEY not in corral.log_path.read_text()
 
 
