@@ -1,7 +1,8 @@
 """A remote endpoint's edges, against a stdlib stand-in that answers by the `model` asked of
 it: a provider's rate limit (429/503 with Retry-After), a redirect to another host, an error
 that quotes corral's own key back, and a URL with a path prefix. Plus the relay's client
-against an endpoint that never completes a TCP handshake (connect timeout, once)."""
+against an endpoint that never completes a TCP handshake (connect timeout, once). Also what
+was sound already: timeouts (a 504, `answering: false`) and a bounded, kept-alive pool."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +34,10 @@ def _answer(status: str, body: dict[str, Any], *extra: str) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
 
 
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
 def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "invalid_request_error", "code": None}}
 
@@ -43,6 +49,7 @@ class Remote:
     def __init__(self) -> None:
         self.port = free_port()
         self.seen: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self.connections = 0
         self._server = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -52,6 +59,7 @@ class Remote:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -76,6 +84,14 @@ class Remote:
 
     @staticmethod
     def _reply(model: Any) -> bytes:
+        if model == "slow":  # past its first_byte_timeout: corral has hung up by then
+            time.sleep(1)
+        if model == "stalls":  # a stream's head and first event, then silence
+            time.sleep(0.05)
+            return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                    + _chunk(b'data: {"object": "chat.completion.chunk", "model": "stalls", '
+                             b'"choices": [{"index": 0, "delta": {"content": "o"}}]}\n\n'))
         if model == "busy":
             return _answer("429 Too Many Requests", _error("Rate limit reached"),
                            "Retry-After: 7")
@@ -110,10 +126,14 @@ def corral(start_corral_module: CorralFactory, remote: Remote) -> Corral:
     models = {name: {"backend": "remote", "url": f"{base}/openai/v1/", "api_key": KEY,
                      "served_name": name}
               for name in ("busy", "overloaded", "moved", "echo", "echo-400", "fine")}
+    models["fine"]["parallel"] = 4
+    for name in ("slow", "stalls"):
+        models[name] = {"backend": "remote", "url": base, "api_key": KEY,
+                        "first_byte_timeout": 0.3, "idle_timeout": 0.3}
     pair = {"type": "parallel", "models": ["echo", "fine"], "fallback": "partial",
             "required_responses": 1}
     corral = start_corral_module({"models": models, "groups": {"pair": pair}})
-    corral.expect("proxy.request_failed")
+    corral.expect("proxy.request_failed", "proxy.upstream_failed")
     return corral
 
 
@@ -159,6 +179,31 @@ def test_the_key_and_the_path_prefix_go_to_the_remote(corral: Corral, remote: Re
     assert headers["authorization"] == f"Bearer {KEY}", headers
     assert headers["host"] == f"127.0.0.1:{remote.port}", headers
     assert body["model"] == "fine"
+
+
+def test_a_silent_remote_is_a_504_within_its_timeouts_and_not_answering(
+        corral: Corral) -> None:
+    began = time.monotonic()
+    answer = corral.chat("slow")
+    assert answer.status_code == 504, answer.text
+    assert answer.json()["error"]["code"] == "upstream_timeout", answer.json()
+    with corral.http.stream("POST", "/v1/chat/completions", json={
+            "model": "stalls", "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}) as stream:
+        text = "".join(stream.iter_text())
+    assert stream.status_code == 200 and "upstream_timeout" in text, text
+    assert time.monotonic() - began < 2.5  # two waits of 0.3 s, and the requests
+    listed = {m["id"]: m for m in corral.http.get("/v1/models").json()["data"]}
+    assert listed["slow"]["answering"] is False and listed["stalls"]["answering"] is False
+
+
+def test_many_requests_at_once_share_a_few_kept_alive_connections(
+        corral: Corral, remote: Remote) -> None:
+    before = remote.connections
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: corral.chat("fine"), range(48)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert remote.connections - before <= 4  # `parallel` at once, each kept for the next
 
 
 def test_a_connect_that_hangs_costs_one_connect_timeout_not_three() -> None:
