@@ -25,6 +25,7 @@ from corral.proxy.errors import (
     UpstreamTimeout,
     without_secrets,
 )
+from corral.proxy.families.numbering import EventNumbering
 from corral.proxy.families.wire import StreamHead, Wire, wire_for
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
 from corral.proxy.sse import sse_headers
@@ -233,7 +234,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                     chunk = await upstream.chunk()
             except ChildHttpError as exc:
                 await _end_broken(out, upstream, lease, record, wire, head,
-                                  _child_broken(model, exc, "mid-stream"))
+                                  _child_broken(model, exc, "mid-stream"), numbering)
                 break
             if not chunk:
                 if held:  # a stream too short to show its first event
@@ -250,7 +251,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                         await out.write(rest)
                 if tail is not None and wire.cut_short(b"".join(tail)):
                     await _end_broken(out, upstream, lease, record, wire, head, UpstreamFailed(
-                        f"{model} ended its stream before its answer's last event"))
+                        f"{model} ended its stream before its answer's last event"), numbering)
                 break
             if tail is not None:
                 if not tail and record is not None:
@@ -292,9 +293,9 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
 
 async def _end_broken(out: ClientWriter, upstream: ChildResponse, lease: Lease,
                       record: RequestRecord | None, wire: Wire, head: StreamHead,
-                      failure: UpstreamFailed) -> None:
+                      failure: UpstreamFailed, numbering: EventNumbering | None = None) -> None:
     """End a stream that broke after its head went out: the family's error events, which
-    its SDKs raise on."""
+    its SDKs raise on (numbered after the child's where corral numbers its events)."""
     timed_out = isinstance(failure, UpstreamTimeout)
     log.warning("proxy.stream_broken", model=lease.model, error=str(failure))
     if record is not None:
@@ -302,8 +303,9 @@ async def _end_broken(out: ClientWriter, upstream: ChildResponse, lease: Lease,
         record.error_status = 504 if timed_out else 502
     upstream.close()  # the child must see the hang-up (and drop the generation)
     try:  # the client first, in its family's shape
-        await out.write(wire.broken(str(failure), "upstream_timeout" if timed_out
-                                    else "upstream_failed", lease.model, head))
+        events = wire.broken(str(failure), "upstream_timeout" if timed_out
+                             else "upstream_failed", lease.model, head)
+        await out.write(numbering.ending(events) if numbering is not None else events)
     finally:
         # Even when that write fails, stalls or is cancelled (the client gone too): a dead
         # child is marked failed now, a silent one probed now (and killed when it does not

@@ -16,6 +16,7 @@ import pytest
 from responses_upstream import ARGS, TEXT, USAGE, stream_bytes
 
 from corral.proxy.families.numbering import _ITEMS_LIMIT, EventNumbering
+from corral.proxy.families.wire import RESPONSES
 
 from conftest import Corral, CorralFactory
 
@@ -132,3 +133,13 @@ def test_the_item_ids_remembered_are_bounded() -> None:
     out = numbering.feed(b'data: {"type":"response.output_text.delta","item_id":"i0",'
                          b'"delta":"x"}\n')  # forgotten: the latest item's index
     assert events_of(out)[0]["output_index"] == _ITEMS_LIMIT * 4 - 1
+
+
+def test_corrals_own_events_that_end_a_broken_stream_are_numbered_after_the_childs() -> None:
+    numbering = EventNumbering()
+    raw = b"".join(stream_bytes("m", None, complete=False)[:4])
+    sent = numbering.feed(raw + b'data: {"type":"response.output_te')  # cut mid-event
+    ending = numbering.ending(RESPONSES.broken("m died", "upstream_failed", "m", None))
+    assert b"response.output_te" not in ending
+    assert [e["sequence_number"] for e in events_of(sent + ending)] == list(range(6))
+    assert [e["type"] for e in events_of(ending)] == ["response.failed", "error"]

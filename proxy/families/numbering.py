@@ -81,6 +81,13 @@ class EventNumbering:
         rest, self._rest = self._rest, b""
         return self._line(rest) if rest and not self.passing else rest
 
+    def ending(self, events: bytes) -> bytes:
+        """corral's own events that end a stream the child broke off (response.failed,
+        error), numbered after the child's. A partial line of the child's is dropped: its
+        event never ended, and a client discards it."""
+        self._rest = b""
+        return self.feed(events)
+
     def _line(self, line: bytes) -> bytes:
         if not line.startswith(b"data:"):
             return line
