@@ -249,7 +249,7 @@ class Instance:
 
     def _child_alive(self, lease: Lease) -> bool:
         if not self.backend.spawns:
-            return True  # a remote's process is not ours to know: worth a retry of a stale pool
+            return True  # a remote has no process of ours (the relay never resends to one)
         return lease.pid == self.pid and self.child_alive()
 
     async def _broken(self, lease: Lease, timed_out: bool) -> Broken:
