@@ -215,24 +215,36 @@ class GroupRunner:
         if group.response_format is not None and "response_format" not in body:
             body["response_format"] = group.response_format
         started = time.monotonic()
-        with self.daemon.reserve(together) as held:
-            if group.type == "chain":
-                responses = await self._chain(group, body, request.get("template"))
-            elif group.type == "fan_out" and group.selector == "first_ok":
-                responses = await self._first_ok(group, body, held)
-            else:
-                responses = await self._concurrent(group, body, held)
-        outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
+        outcome: GroupOutcome | None = None
         try:
+            with self.daemon.reserve(together) as held:
+                if group.type == "chain":
+                    responses = await self._chain(group, body, request.get("template"))
+                elif group.type == "fan_out" and group.selector == "first_ok":
+                    responses = await self._first_ok(group, body, held)
+                else:
+                    responses = await self._concurrent(group, body, held)
+            outcome = GroupOutcome(group, responses, (time.monotonic() - started) * 1000)
             self._enforce_fallback(outcome)
             outcome.tally = await self._vote(group, outcome)
             self._enforce_quorum(outcome)
             await self._conclude(group, body, outcome, final_step)
-        except GroupFailed:
+        except GroupFailed as exc:
             # A synthesizer that failed after the members answered fails the run as much as
             # members that did not: the event and the metric count it.
+            exc.outcome.wall_ms = (time.monotonic() - started) * 1000
+            self._publish(exc.outcome, "failed")
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client hung up (or was cut off while the answer went out), or corral is
+            # shutting down: the run ends here, and is counted as such (corral_requests_total
+            # counts its 499), with what its members had done by then.
+            if outcome is None:
+                outcome = GroupOutcome(group, [MemberResult(m, "cancelled", error="the run was "
+                                                            "cancelled") for m in group.models],
+                                       0.0)
             outcome.wall_ms = (time.monotonic() - started) * 1000
-            self._publish(outcome, "failed")
+            self._publish(outcome, "cancelled")
             raise
         outcome.wall_ms = (time.monotonic() - started) * 1000
         log.info("group.done", group=group.name, type=group.type, ok=outcome.ok_count,

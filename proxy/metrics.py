@@ -83,7 +83,8 @@ class Metrics:
                                registry=r)
         self.group_requests = Counter("corral_group_requests", "Group runs by group, type and "
                                       "result (ok: answered complete; partial: answered with "
-                                      "complete false; failed: an error)",
+                                      "complete false; failed: an error; cancelled: the client "
+                                      "hung up first)",
                                       ["group", "type", "result"], registry=r)
         self.member_outcomes = Counter("corral_group_member_outcomes", "Group members' "
                                        "outcomes (ok, error, timeout, retried, replaced, "

@@ -6,6 +6,7 @@ answer a set text after a set delay, and a test can tell what they were asked.""
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Corral, wait_until
+from conftest import Corral, sse_lines, wait_until
 
 SCRIPT = Path(__file__).resolve().parent / "scripted_member.py"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -162,6 +163,13 @@ def test_a_client_that_hangs_up_mid_consensus_never_starts_the_synthesizer(start
     assert corral.model("scribe")["state"] == "stopped" and not corral.model("scribe")["starts"]
     record = corral.http.get("/admin/requests", params={"limit": 1}).json()["requests"][0]
     assert record["model"] == "council" and record["status"] == 499, record
+    # The run is counted as what it was, beside its 499: it was in no group metric nor event.
+    assert group_runs(corral) == {("council", "cancelled"): 1}
+    with httpx.stream("GET", corral.url + "/admin/events?kinds=group&last=1",
+                      timeout=10) as events:
+        run = json.loads(next(line for line in sse_lines(events) if line.startswith("data:"))[5:])
+    assert run["result"] == "cancelled", run
+    assert [m["status"] for m in run["members"]] == ["cancelled", "cancelled"], run
 
 
 def test_twenty_runs_of_two_groups_over_the_same_single_slot_members_all_end(start_corral):
