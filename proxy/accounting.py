@@ -24,10 +24,13 @@ RECORD: web.RequestKey[RequestRecord] = web.RequestKey("record", RequestRecord)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # nginx's "client closed request": the client hung up before the answer was whole.
 CLIENT_GONE = 499
+# The requests GET /admin/requests lists at most (its ?limit=), all of them kept: a list of
+# fewer cut the limit short without saying so.
+MOST_RECENT = 1000
 
 
 class Accounting:
-    def __init__(self, daemon: Supervisor, keep: int = 200) -> None:
+    def __init__(self, daemon: Supervisor, keep: int = MOST_RECENT) -> None:
         self.daemon = daemon
         self.metrics = Metrics(daemon)
         self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)

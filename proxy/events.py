@@ -10,7 +10,7 @@ import contextlib
 from aiohttp import web
 
 from corral.proxy import client_io
-from corral.proxy.accounting import Accounting
+from corral.proxy.accounting import MOST_RECENT, Accounting
 from corral.proxy.sse import KEEPALIVE, named, sse_headers
 from corral.proxy.validate import bad
 from corral.supervisor.port import Supervisor
@@ -66,7 +66,7 @@ def add_routes(app: web.Application, daemon_key: web.AppKey[Supervisor],
 
     async def recent(request: web.Request) -> web.Response:
         given = _int(request.query.get("limit"))
-        limit = max(1, min(100 if given is None else given, 1000))
+        limit = max(1, min(100 if given is None else given, MOST_RECENT))
         return web.json_response(
             {"requests": request.app[accounting_key].recent_requests(limit)})
 

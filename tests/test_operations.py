@@ -11,6 +11,7 @@ import json
 import re
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,6 +19,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from corral.proxy.accounting import MOST_RECENT, Accounting
+from corral.proxy.timing import RequestRecord
 from corral.supervisor.events import EventBus
 
 from conftest import Corral, CorralFactory, llama_server_binary, sse_lines, tiny_config, wait_until
@@ -394,6 +397,23 @@ def test_event_bus_cuts_off_a_reader_that_falls_behind_and_survives_a_bad_listen
     assert [e.data["n"] for e in slow.pending()] == list(range(1000))
     replay = bus.subscribe(after=base + 996)  # tick n has id base + n + 1
     assert [e.data["n"] for e in replay.pending()] == [996, 997, 998, 999, 1000]
+
+
+def test_the_recent_requests_keep_as_many_as_the_largest_limit_asks():
+    """GET /admin/requests?limit=1000 (docs/operations.md: at most 1,000) got 200: the list
+    kept no more, and said nothing of the rest."""
+    class Daemon:  # what the accounting reads of a daemon
+        events = EventBus()
+        loaded = SimpleNamespace(config=SimpleNamespace(groups={}))
+
+        def resolve(self, name: str) -> str | None:
+            return name if name == "m" else None
+
+    accounting = Accounting(Daemon())  # type: ignore[arg-type]
+    for i in range(MOST_RECENT + 1):
+        accounting.finish(RequestRecord("m", "/v1/chat/completions", pid=i), 200)
+    listed = accounting.recent_requests(MOST_RECENT)
+    assert [r["pid"] for r in listed] == list(range(1, MOST_RECENT + 1))
 
 
 # -- loading progress in a chat stream ------------------------------------------------------------
