@@ -216,7 +216,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     # in the connection's callback: no task wakes per chunk. This task then waits for the
     # end, a failure, or a client that is behind (it waits for the client, then the child is
     # read again).
-    direct = renamer is None and numbering is None  # the first chunk is yet to go out
+    direct = renamer is None  # the first chunk is yet to go out the usual way
     sink: Callable[[bytes], bool] | None = None
     held = b""  # a start that waits for its first event (wire.holds_start)
     try:
@@ -270,7 +270,6 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 chunk = numbering.feed(chunk)
                 if numbering.passing:
                     numbering = None
-                    direct = renamer is None
             if renamer is not None:
                 chunk = renamer.feed(chunk)
             if not chunk:
@@ -279,6 +278,8 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             if direct and head.done:
                 direct = False
                 sink = out.through()
+                if sink is not None and numbering is not None:
+                    sink = _numbered(sink, numbering)
         await out.finish()
     finally:
         # Also when the client hangs up (the handler is cancelled): the OpenAI SDK closes
@@ -289,6 +290,16 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
             if lease.restored is not None:
                 lease.reused(record.cache_n)  # the prompt cache checks its restore
     return out.response
+
+
+def _numbered(put: Callable[[bytes], bool],
+              numbering: EventNumbering) -> Callable[[bytes], bool]:
+    """The direct write to the client, with the events' numbers filled in on the way (in the
+    connection's callback as well: no task wakes per chunk for them either)."""
+    def sink(data: bytes) -> bool:
+        data = numbering.feed(data)
+        return put(data) if data else False  # an empty chunk would end the chunked body
+    return sink
 
 
 async def _end_broken(out: ClientWriter, upstream: ChildResponse, lease: Lease,

@@ -143,3 +143,20 @@ def test_corrals_own_events_that_end_a_broken_stream_are_numbered_after_the_chil
     assert b"response.output_te" not in ending
     assert [e["sequence_number"] for e in events_of(sent + ending)] == list(range(6))
     assert [e["type"] for e in events_of(ending)] == ["response.failed", "error"]
+
+
+def test_deltas_between_repeated_lifecycle_events_keep_their_places() -> None:
+    # llama-server repeats response.created and response.in_progress before each delta of
+    # some models (a tiny one's, measured): the deltas' numbers must not drift from them.
+    events = stream_bytes("m", "f", complete=False)
+    lifecycle = events[:2]
+    mixed = [event for e in events for event in
+             ([*lifecycle, e] if b".delta\n" in e else [e])]
+    numbering = EventNumbering()
+    got = events_of(b"".join(numbering.feed(e) for e in mixed) + numbering.flush())
+    assert [e["sequence_number"] for e in got] == list(range(len(mixed)))
+    places = [(e["type"], e.get("output_index"), e.get("content_index")) for e in got
+              if e["type"].endswith(".delta")]
+    assert places == [("response.output_text.delta", 0, 0)] * len(TEXT) + [
+        ("response.function_call_arguments.delta", 1, None)] * len(ARGS)
+    assert all(e["logprobs"] == [] for e in got if e["type"] == "response.output_text.delta")

@@ -16,6 +16,7 @@ O(1) per event, and the memory held is one partial line and a bounded map of ite
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 __all__ = ["EventNumbering"]
@@ -35,6 +36,16 @@ _PART_EVENTS = frozenset({
     "response.reasoning_text.delta", "response.reasoning_text.done",
     "response.refusal.delta", "response.refusal.done",
 })
+# The keys an event may have of its own (then left as they are), and their quoted names.
+_KEYS = tuple((key, b'"%s"' % key.encode()) for key in (
+    "sequence_number", "output_index", "content_index", "logprobs"))
+# Events that change nothing but their item's text: one like the one before (same kind, same
+# item) is numbered like it, without being parsed.
+_DELTAS = frozenset({b"response.output_text.delta", b"response.function_call_arguments.delta",
+                     b"response.reasoning_text.delta", b"response.refusal.delta"})
+# Events that move where the next delta goes.
+_PLACING = frozenset({"response.output_item.added", "response.content_part.added"})
+_DELTA = re.compile(rb'\{"type":"([a-z_.]+)","item_id":"([^"\\]+)"')
 # Text events, whose `logprobs` list the SDK's types require (empty: none were asked for).
 _TEXT_EVENTS = frozenset({"response.output_text.delta", "response.output_text.done"})
 
@@ -46,7 +57,8 @@ class EventNumbering:
     chunk goes out as it came). Chunks split events anywhere: whole lines go out, the last
     partial line waits for the next chunk."""
 
-    __slots__ = ("_items", "_next_output", "_rest", "_sequence", "decided", "passing")
+    __slots__ = ("_items", "_last", "_last_numbers", "_next_output", "_rest", "_sequence",
+                 "decided", "passing")
 
     def __init__(self) -> None:
         self._rest = b""
@@ -56,6 +68,9 @@ class EventNumbering:
         self._next_output = 0
         # item id -> [output index, index of its latest content part (-1: none yet)]
         self._items: dict[str, list[int]] = {}
+        # The last delta's (kind, item id), and the numbers it got after its sequence_number.
+        self._last: tuple[bytes, bytes] | None = None
+        self._last_numbers = b""
 
     def feed(self, chunk: bytes) -> bytes:
         if self.passing:
@@ -66,6 +81,9 @@ class EventNumbering:
             self._rest = b""
             return data
         self._rest = data[cut:]
+        if self.decided:
+            return b"".join([self._line(line) if line.startswith(b"data:") else line
+                             for line in data[:cut].splitlines(keepends=True)])
         out: list[bytes] = []
         at = 0
         for line in data[:cut].splitlines(keepends=True):
@@ -92,6 +110,21 @@ class EventNumbering:
         if not line.startswith(b"data:"):
             return line
         body = line[5:].strip()
+        ending = line[len(line.rstrip(b"\r\n")):]
+        # A delta like the one before it (the same item and kind, the same keys of its own:
+        # most of a stream) takes the same numbers but its sequence_number, unparsed.
+        delta = _DELTA.match(body)
+        if delta is not None and (delta[1], delta[2]) == self._last and _bare(body):
+            self._sequence += 1
+            return (b"data: " + body[:-1] + b',"sequence_number":%d' % (self._sequence - 1)
+                    + self._last_numbers + b"}" + ending)
+        # An event of no item (the response's own: llama-server repeats response.created and
+        # response.in_progress before each delta of some models; its last event holds the
+        # whole answer) takes a sequence_number alone, unparsed too.
+        if self.decided and b'"item' not in body and body.startswith(b'{"') and _bare(body):
+            self._sequence += 1
+            return (b"data: " + body[:-1] + b',"sequence_number":%d}' % (self._sequence - 1)
+                    + ending)
         try:
             event = json.loads(body)
         except (ValueError, RecursionError):  # a hostile upstream nests deep
@@ -104,9 +137,13 @@ class EventNumbering:
                 self.passing = True
                 return line
         added = self._numbers(event)
+        if delta is not None and delta.group(1) in _DELTAS and _bare(body):
+            self._last = (delta[1], delta[2])
+            self._last_numbers = added[added.find(b",", 1):] if b"," in added[1:] else b""
+        elif event.get("type") in _PLACING:
+            self._last = None  # an item or a part began: the next delta is placed anew
         if not added:
             return line
-        ending = line[len(line.rstrip(b"\r\n")):]
         head = body[:-1] + b"," if event else b"{"
         return b"data: " + head + added[1:] + b"}" + ending
 
@@ -147,3 +184,11 @@ class EventNumbering:
         if len(self._items) >= _ITEMS_LIMIT:
             del self._items[next(iter(self._items))]
         self._items[item_id] = [index, -1]
+
+
+def _bare(body: bytes) -> bool:
+    """Whether an event's JSON has none of the numbers of its own (found by their quoted
+    names, which a string's text cannot hold: its quotes are escaped) and ends as an object."""
+    return (b'"sequence_number"' not in body and b'"output_index"' not in body
+            and b'"content_index"' not in body and b'"logprobs"' not in body
+            and body.endswith(b"}"))
