@@ -10,8 +10,10 @@ were added, a part's index within its item). A stream whose first event already 
 `sequence_number` (vLLM's, transformers', OpenAI's own) numbers its own events and passes
 through untouched, byte for byte.
 
-Each event is read once and the missing numbers appended at its end (its own bytes are kept):
-O(1) per event, and the memory held is one partial line and a bounded map of item ids."""
+The missing numbers are appended at each event's end (its own bytes are kept); an event is
+parsed only where it may move them (a delta like the one before it, and an event of no item,
+are not): O(1) per event, and the memory held is one partial line and a bounded map of item
+ids."""
 
 from __future__ import annotations
 
