@@ -39,6 +39,7 @@ COLD_START = 400  # seconds; 75-100 s measured on two cores, slower beside the r
 HI = [{"role": "user", "content": "hi"}]
 
 pytestmark = pytest.mark.timeout(900)
+LONG_STREAM = 12000  # tokens of the stream the kill test cuts (tinyhf's MAX_POSITIONS: room)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def vllm_config(checkpoint: Path, tiny_models: dict[str, Path], **tinyv: Any) ->
             # (a fresh checkpoint per run: never a cache hit), and nothing corral does
             # depends on it.
             "tinyv": {"backend": "vllm", "model": str(checkpoint), "command": VLLM_COMMAND,
-                      "ctx": 2048, "parallel": 2, "args": ["--enforce-eager"], **tinyv},
+                      "ctx": 16384, "parallel": 2, "args": ["--enforce-eager"], **tinyv},
             "tiny-a": {"model": str(tiny_models["tiny-a"]), "ctx": 2048},
         },
         "groups": {"mixed": {"models": ["tiny-a", "tinyv"], "type": "parallel"}},
@@ -103,10 +104,10 @@ def test_cold_start_serves_a_chat_through_the_sdk(served: Corral, checkpoint: Pa
     assert flags["--model"] == str(checkpoint)
     assert flags["--served-model-name"] == "tinyv"
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == str(state["port"])
-    assert (flags["--max-model-len"], flags["--max-num-seqs"]) == ("2048", "2")
+    assert (flags["--max-model-len"], flags["--max-num-seqs"]) == ("16384", "2")
     env = psutil.Process(pid).environ()
-    # On CPU the KV cache is what corral sizes from the checkpoint: 2048 tokens × 2 sequences
-    # of 1 KiB each round up to the 1 GiB minimum.
+    # On CPU the KV cache is what corral sizes from the checkpoint: 16384 tokens × 2 sequences
+    # of 1 KiB each (32 MiB) round up to the 1 GiB minimum.
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_API_KEY"] and env["VLLM_API_KEY"] not in " ".join(argv)
     # vLLM's engine core and worker run in the child's own process group.
@@ -230,7 +231,7 @@ def test_killed_mid_stream_gives_a_clean_error_and_the_next_request_restarts_it(
         members = group_of(pid)
         killed[pid] = socket_dir_of(served, pid)
         chunks, failure = _stream_killed_after_the_first_token(client, pid)
-        if chunks < 2000:
+        if chunks < LONG_STREAM:
             break
         wait_until(lambda: served.model("tinyv")["state"] == "failed", timeout=30)
     else:
@@ -261,9 +262,10 @@ def _stream_killed_after_the_first_token(
     """A long stream whose child is SIGKILLed by the reader itself once a token came (no
     hand-off to another thread that a busy box may not schedule for seconds): the chunks
     read and what the SDK raised."""
-    # Long enough to be cut: the tiny model streams a few hundred tokens a second here.
+    # Long enough to be cut: the tiny model streams ~350 tokens a second on a quiet 2-core
+    # box; 2,000 (5 s) once all arrived before the kill in three tries on a busy one.
     stream = client.chat.completions.create(
-        model="tinyv", messages=HI, max_tokens=2000, temperature=0, stream=True,
+        model="tinyv", messages=HI, max_tokens=LONG_STREAM, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
     chunks = [0]
     failure: list[BaseException] = []

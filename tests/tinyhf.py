@@ -18,7 +18,9 @@ HIDDEN = 128
 LAYERS = 2
 HEADS = 2
 FF = 256
-MAX_POSITIONS = 2048
+# Room for test_vllm's kill test: a stream long enough (12,000 tokens, ~35 s here) that no
+# busy box lets it finish before the reader's kill lands.
+MAX_POSITIONS = 16384
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
