@@ -8,12 +8,10 @@ import json
 from typing import Any
 
 from corral.proxy.families.wire import CHAT, Wire
+from corral.proxy.sse import Lines
 from corral.supervisor.json_bytes import compact
 
 __all__ = ["StreamRenamer", "rename_answer", "rename_request"]
-
-# The longest partial line a stream may hold back for renaming (an SSE event is far smaller).
-_LINE_LIMIT = 1 << 20
 
 
 def rename_request(body: Any, served_name: str) -> Any:
@@ -51,21 +49,16 @@ class StreamRenamer:
     def __init__(self, served_name: str, model: str, wire: Wire = CHAT):
         self._served, self._needle, self._model = served_name, served_name.encode(), model
         self._wire = wire
-        self._rest = b""
+        self._lines = Lines()
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._rest + chunk
-        cut = data.rfind(b"\n") + 1
-        if not cut and len(data) > _LINE_LIMIT:
-            # A server that never ends its line must not grow this buffer without bound: what
-            # is held goes out as it is (unrenamed), as the relay would send it.
-            self._rest = b""
+        data, whole = self._lines.feed(chunk)
+        if not whole:  # a line that never ends goes out as it is (unrenamed)
             return data
-        self._rest = data[cut:]
-        return b"".join(self._line(line) for line in data[:cut].splitlines(keepends=True))
+        return b"".join(self._line(line) for line in data.splitlines(keepends=True))
 
     def flush(self) -> bytes:
-        rest, self._rest = self._rest, b""
+        rest = self._lines.flush()
         return self._line(rest) if rest else b""
 
     def _line(self, line: bytes) -> bytes:

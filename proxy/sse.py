@@ -38,6 +38,38 @@ def typed(kind: str, payload: Mapping[str, Any]) -> bytes:
     return f"event: {kind}\ndata: ".encode() + json.dumps(payload).encode() + b"\n\n"
 
 
+# The longest partial line a rewrite holds back (an SSE event is far smaller).
+LINE_LIMIT = 1 << 20
+
+
+class Lines:
+    """A stream's bytes as whole lines, for the relay's rewrites: what a chunk ends with past
+    its last newline waits for the next chunk. A line that never ends must not grow the
+    buffer without bound: past `limit` bytes what is held goes out as it is."""
+
+    __slots__ = ("_limit", "_rest")
+
+    def __init__(self, limit: int = LINE_LIMIT):
+        self._limit = limit
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> tuple[bytes, bool]:
+        """The whole lines the stream has now (each with its newline), and whether they are
+        whole: False when an overlong unended line is given back as it is."""
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1
+        if not cut and len(data) > self._limit:
+            self._rest = b""
+            return data, False
+        self._rest = data[cut:]
+        return data[:cut], True
+
+    def flush(self) -> bytes:
+        """What is left: the stream ended without a last newline."""
+        rest, self._rest = self._rest, b""
+        return rest
+
+
 # A comment line: keeps proxies and browsers from timing out a quiet stream.
 KEEPALIVE = b": keep-alive\n\n"
 

@@ -226,11 +226,11 @@ def test_served_name_is_renamed_in_events_split_across_chunks() -> None:
 def test_the_renamer_holds_back_no_more_than_a_line_limit() -> None:
     """A server that never ends its line cannot grow corral's buffer without bound: past the
     limit, what is held goes out as it came."""
-    from corral.proxy import rename
+    from corral.proxy import rename, sse
 
     renamer = rename.StreamRenamer("served", "ours")
     held = renamer.feed(b'data: {"model": "served", "x": "')
     assert held == b""
-    out = renamer.feed(b"y" * (rename._LINE_LIMIT + 1))
-    assert out.startswith(b'data: {"model": "served"') and len(out) > rename._LINE_LIMIT
+    out = renamer.feed(b"y" * (sse.LINE_LIMIT + 1))
+    assert out.startswith(b'data: {"model": "served"') and len(out) > sse.LINE_LIMIT
     assert renamer.feed(b'\ndata: {"model":"served"}\n') == b'\ndata: {"model":"ours"}\n'

@@ -21,11 +21,10 @@ import json
 import re
 from typing import Any
 
+from corral.proxy.sse import Lines
+
 __all__ = ["EventNumbering"]
 
-# The longest partial line held back for numbering (an SSE event is far smaller); what has
-# no line end by then goes out as it is, as the relay would send it.
-_LINE_LIMIT = 1 << 20
 # The items whose ids are remembered (a response has a few; a hostile stream may add any
 # number): past this the oldest is forgotten, and its later events take the latest item's index.
 _ITEMS_LIMIT = 256
@@ -59,11 +58,11 @@ class EventNumbering:
     chunk goes out as it came). Chunks split events anywhere: whole lines go out, the last
     partial line waits for the next chunk."""
 
-    __slots__ = ("_items", "_last", "_last_numbers", "_next_output", "_rest", "_sequence",
+    __slots__ = ("_items", "_last", "_last_numbers", "_lines", "_next_output", "_sequence",
                  "decided", "passing")
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._lines = Lines()  # a line with no end past its limit goes out as it is
         self.decided = False  # the first event was read
         self.passing = False  # the stream numbers its own events
         self._sequence = 0
@@ -77,35 +76,31 @@ class EventNumbering:
     def feed(self, chunk: bytes) -> bytes:
         if self.passing:
             return chunk
-        data = self._rest + chunk
-        cut = data.rfind(b"\n") + 1
-        if not cut and len(data) > _LINE_LIMIT:
-            self._rest = b""
+        data, whole = self._lines.feed(chunk)
+        if not whole:
             return data
-        self._rest = data[cut:]
         if self.decided:
             return b"".join([self._line(line) if line.startswith(b"data:") else line
-                             for line in data[:cut].splitlines(keepends=True)])
+                             for line in data.splitlines(keepends=True)])
         out: list[bytes] = []
         at = 0
-        for line in data[:cut].splitlines(keepends=True):
+        for line in data.splitlines(keepends=True):
             out.append(self._line(line))
             at += len(line)
             if self.passing:  # the rest of what came is the child's, untouched
-                out.append(data[at:])
-                self._rest = b""
+                out.append(data[at:] + self._lines.flush())
                 break
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest, self._rest = self._rest, b""
+        rest = self._lines.flush()
         return self._line(rest) if rest and not self.passing else rest
 
     def ending(self, events: bytes) -> bytes:
         """corral's own events that end a stream the child broke off (response.failed,
         error), numbered after the child's. A partial line of the child's is dropped: its
         event never ended, and a client discards it."""
-        self._rest = b""
+        self._lines.flush()
         return self.feed(events)
 
     def _line(self, line: bytes) -> bytes:
