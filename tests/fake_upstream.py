@@ -16,6 +16,12 @@ from collections.abc import Iterator
 def requests(conn: socket.socket) -> Iterator[tuple[str, str, bytes]]:
     """Each request on a kept-alive connection: method, path and body (Content-Length bodies
     only: a fake for corral's own client, which always sends one). Ends when the peer closes."""
+    for method, path, _headers, body in exchanges(conn):
+        yield method, path, body
+
+
+def exchanges(conn: socket.socket) -> Iterator[tuple[str, str, dict[str, str], bytes]]:
+    """requests(), with each request's headers (names lowercased)."""
     buffered = b""
     while True:
         while b"\r\n\r\n" not in buffered:
@@ -26,18 +32,16 @@ def requests(conn: socket.socket) -> Iterator[tuple[str, str, bytes]]:
         head, _, buffered = buffered.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         method, path = lines[0].split(" ")[:2]
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value.strip())
+        headers = {name.strip().lower(): value.strip()
+                   for name, _, value in (line.partition(":") for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
         while len(buffered) < length:
             chunk = conn.recv(65536)
             if not chunk:
                 return
             buffered += chunk
         body, buffered = buffered[:length], buffered[length:]
-        yield method, path, body
+        yield method, path, headers, body
 
 
 def answer(conn: socket.socket) -> None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fake_upstream import requests
+from raw_server import RawServer
 
-from conftest import Corral, CorralFactory, free_port, sse_lines, wait_until
+from conftest import Corral, CorralFactory, sse_lines, wait_until
 
 SERVED = "upstream-name"  # the name the remote knows the model by (renamed both ways)
 # Counts no child could mean: below zero, past any float (the metrics' counters take floats).
@@ -148,41 +148,26 @@ def endless_head(_path: str, _case: str) -> Iterator[bytes]:
         yield b"a" * 65536
 
 
-class HostileUpstream:
-    """A raw HTTP/1.1 server in a thread: each request gets `answer(path, case)`, the case
-    found in its body as `case:NAME`."""
+class HostileUpstream(RawServer):
+    """Each request gets `answer(path, case)`, the case found in its body as `case:NAME`."""
 
     def __init__(self, answers: Callable[[str, str], bytes | Iterator[bytes | None]]) -> None:
-        self.port = free_port()
         self.answers = answers
         self.sent = 0  # bytes written, all requests together
-        self._server = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            for _method, path, body in requests(conn):
-                found = re.search(rb"case:([a-z0-9-]+)", body)
-                answered = self.answers(path, found.group(1).decode() if found else "")
-                for part in [answered] if isinstance(answered, bytes) else answered:
-                    if part is None:
-                        return  # closed (with the connection's end, as a dead server's)
-                    try:
-                        conn.sendall(part)
-                    except OSError:
-                        return  # corral hung up
-                    self.sent += len(part)
-
-    def close(self) -> None:
-        self._server.close()
+    def serve(self, conn: socket.socket) -> None:
+        for _method, path, body in requests(conn):
+            found = re.search(rb"case:([a-z0-9-]+)", body)
+            answered = self.answers(path, found.group(1).decode() if found else "")
+            for part in [answered] if isinstance(answered, bytes) else answered:
+                if part is None:
+                    return  # closed (with the connection's end, as a dead server's)
+                try:
+                    conn.sendall(part)
+                except OSError:
+                    return  # corral hung up
+                self.sent += len(part)
 
 
 @pytest.fixture(scope="module")

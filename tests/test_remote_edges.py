@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +16,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_upstream import exchanges
+from raw_server import RawServer
 
 from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import open_child
 
-from conftest import Corral, CorralFactory, free_port
+from conftest import Corral, CorralFactory
 
 KEY = "sk-remote-7c41d2e9b0"
 
@@ -42,45 +43,19 @@ def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "invalid_request_error", "code": None}}
 
 
-class Remote:
-    """A raw HTTP/1.1 server in a thread; each request's head and body are kept, and the
-    answer is chosen by the `model` the request names (its served_name)."""
+class Remote(RawServer):
+    """Each request's path, headers and body are kept, and the answer is chosen by the
+    `model` the request names (its served_name)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
         self.seen: list[tuple[str, dict[str, str], dict[str, Any]]] = []
-        self.connections = 0
-        self._server = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while True:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, data = data.partition(b"\r\n\r\n")
-                first, *lines = head.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip()
-                           for k, _, v in (line.partition(":") for line in lines)}
-                length = int(headers.get("content-length", "0"))
-                while len(data) < length:
-                    data += conn.recv(65536)
-                body, data = json.loads(data[:length] or b"{}"), data[length:]
-                self.seen.append((first.split(" ")[1], headers, body))
-                conn.sendall(self._reply(body.get("model")))
+    def serve(self, conn: socket.socket) -> None:
+        for _method, path, headers, raw in exchanges(conn):
+            body = json.loads(raw or b"{}")
+            self.seen.append((path, headers, body))
+            conn.sendall(self._reply(body.get("model")))
 
     @staticmethod
     def _reply(model: Any) -> bytes:
@@ -109,8 +84,6 @@ class Remote:
                 "index": 0, "finish_reason": "stop",
                 "message": {"role": "assistant", "content": "ok"}}]})
 
-    def close(self) -> None:
-        self._server.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,50 +6,36 @@ then dropped (never sent twice: it may have been done, and paid for)."""
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fake_upstream import requests
+from raw_server import RawServer
 
-from conftest import Corral, CorralFactory, free_port, tiny_config
+from conftest import Corral, CorralFactory, tiny_config
 
 
-class Upstream:
-    """A raw HTTP/1.1 server in a thread: `behaviour` answers each request (its body) with the
-    bytes to send, or None to close the connection without a byte."""
+class Upstream(RawServer):
+    """`behaviour` answers each request (its body) with the bytes to send, or None to close
+    the connection without a byte."""
 
     def __init__(self, behaviour: Any):
-        self.port = free_port()
         self.behaviour = behaviour
         self.requests: list[bytes] = []
-        self._server = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            for _method, _path, body in requests(conn):
-                self.requests.append(body)
-                for part in self.behaviour(body) or ():
-                    if part is None:
-                        return  # close without (more of) an answer
-                    try:
-                        conn.sendall(part)
-                    except OSError:
-                        return  # corral hung up
-
-    def close(self) -> None:
-        self._server.close()
+    def serve(self, conn: socket.socket) -> None:
+        for _method, _path, body in requests(conn):
+            self.requests.append(body)
+            for part in self.behaviour(body) or ():
+                if part is None:
+                    return  # close without (more of) an answer
+                try:
+                    conn.sendall(part)
+                except OSError:
+                    return  # corral hung up
 
 
 def _chat(content: str) -> bytes:
