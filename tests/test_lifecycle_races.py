@@ -150,6 +150,15 @@ def test_an_unload_during_a_rebalance_leaves_the_model_stopped(tiny_models: dict
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
+async def one_in_flight_one_queued(h: Any, name: str) -> tuple[Any, Any, asyncio.Future[Any]]:
+    """`name` (parallel 1) with a request in flight (its lease) and one queued for its slot."""
+    lease = await h.daemon.acquire(name)
+    inst = h.inst(name)
+    queued = asyncio.ensure_future(h.daemon.acquire(name))
+    await h.until(lambda: inst.queued == 1, what="queued")
+    return lease, inst, queued
+
+
 def test_requests_queued_on_a_model_a_reload_removes_are_told_at_once(
         tiny_models: dict[str, Path], tmp_path: Path):
     """Before: a request queued for a slot of a model (one request in flight, parallel 1) that
@@ -162,10 +171,7 @@ def test_requests_queued_on_a_model_a_reload_removes_are_told_at_once(
 
     async def scenario() -> None:
         async with running(config_text(models, shutdown_grace=30), tmp_path) as h:
-            lease = await h.daemon.acquire("m")
-            inst = h.inst("m")
-            queued = asyncio.ensure_future(h.daemon.acquire("m"))
-            await h.until(lambda: inst.queued == 1, what="queued")
+            lease, inst, queued = await one_in_flight_one_queued(h, "m")
             del models["m"]
             await h.reload(config_text(models, shutdown_grace=30))
             with pytest.raises(UnknownModel):
@@ -188,10 +194,7 @@ def test_requests_queued_on_a_model_being_unloaded_are_told_at_once(
 
     async def scenario() -> None:
         async with running(config_text(models, shutdown_grace=30), tmp_path) as h:
-            lease = await h.daemon.acquire("m")
-            inst = h.inst("m")
-            queued = asyncio.ensure_future(h.daemon.acquire("m"))
-            await h.until(lambda: inst.queued == 1, what="queued")
+            lease, inst, queued = await one_in_flight_one_queued(h, "m")
             unload = asyncio.ensure_future(h.daemon.unload("m"))
             with pytest.raises(Unloaded):
                 await asyncio.wait_for(queued, 2)
