@@ -309,6 +309,15 @@ class Corral:
         body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
         return self.http.post("/v1/chat/completions", json=body, timeout=timeout)
 
+    def reload_with(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The config file rewritten as `config` and applied (POST /admin/reload: 200); the
+        reload's report."""
+        self.config_path.write_text(yaml.safe_dump(config))
+        response = self.http.post("/admin/reload")
+        assert response.status_code == 200, response.text
+        report: dict[str, Any] = response.json()
+        return report
+
     def log_events(self, event: str) -> list[dict[str, Any]]:
         out = []
         for line in self.log_path.read_text().splitlines():

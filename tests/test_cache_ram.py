@@ -16,11 +16,9 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from corral.supervisor.backends.llama_server import LlamaServer
 from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
@@ -181,12 +179,6 @@ def cmdline_cache_ram(corral: Corral, model: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a in ("--cache-ram", "-cram")]
 
 
-def reload_with(corral: Corral, config: dict[str, Any]) -> None:
-    corral.config_path.write_text(yaml.safe_dump(config))
-    response = corral.http.post("/admin/reload")
-    assert response.status_code == 200, response.text
-
-
 def test_children_run_with_the_configured_default_or_own_cache_ram(
         start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
     config = tiny_config(tiny_models, ["tiny-a", "tiny-b", "tiny-c"],
@@ -236,7 +228,7 @@ def test_a_ram_budget_too_small_for_the_cache_evicts_where_it_fit_without(
     used: dict[str, float] = wait_until(measured, timeout=10)
     margin = 0.5 * min(used.values())
     config["memory"]["budget_mb"] = sum(used.values()) + margin
-    reload_with(corral, config)
+    corral.reload_with(config)
 
     # Without a cache tiny-b starts again beside tiny-a.
     assert corral.http.post("/admin/models/tiny-b/unload").status_code == 200
@@ -250,7 +242,7 @@ def test_a_ram_budget_too_small_for_the_cache_evicts_where_it_fit_without(
     wait_until(lambda: corral.model("tiny-b")["state"] == "stopped", timeout=15)
     cache = int(margin) + 8
     config["models"]["tiny-b"]["cache_ram_mb"] = cache
-    reload_with(corral, config)
+    corral.reload_with(config)
     assert corral.chat("tiny-b", max_tokens=2).status_code == 200
     states = {n: corral.model(n)["state"] for n in names}
     assert states == {"tiny-a": "stopped", "tiny-b": "ready"}, states

@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Corral, sse_lines, wait_until
@@ -36,14 +35,6 @@ def in_background(fn: Any) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
-def reload_with(corral: Corral, config: dict[str, Any]) -> dict[str, Any]:
-    corral.config_path.write_text(yaml.safe_dump(config))
-    resp = corral.http.post("/admin/reload")
-    assert resp.status_code == 200, resp.text
-    answer: dict[str, Any] = resp.json()
-    return answer
-
-
 def test_a_group_keeps_holding_a_member_switched_over_to_a_new_child(start_corral):
     """A member whose settings change while its group runs switches to a new child
     (blue/green): the group's hold moves to the new child, which is then never evicted for
@@ -63,7 +54,7 @@ def test_a_group_keeps_holding_a_member_switched_over_to_a_new_child(start_corra
 
     changed = copy.deepcopy(config)
     changed["models"]["quick"]["command"] += ["--gap", "0.5"]
-    attempt = reload_with(corral, changed)
+    attempt = corral.reload_with(changed)
     assert attempt["changes"]["restarted"] == {"quick": ["command"]}, attempt
     wait_until(lambda: corral.model("quick")["pid"] not in (None, old_pid), timeout=20)
     assert corral.log_events("daemon.switched_over")
@@ -132,7 +123,7 @@ def test_a_backup_a_reload_removed_is_a_member_error_not_the_groups(start_corral
     del smaller["models"]["spare"]
     smaller["groups"]["g"] = {"models": ["hang", "slow"], "member_timeout": 4,
                               "fallback": "partial"}
-    reload_with(corral, smaller)
+    corral.reload_with(smaller)
     run.join(60)
     resp = out[0]
     assert resp.status_code == 200, resp.text

@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from corral.supervisor.backends.binaries import find_executable
 
@@ -371,14 +370,6 @@ def test_a_pinned_model_that_crashes_comes_back_with_its_config(corral: Corral):
     assert flag(argv_of(shown["pid"]), "--ctx-size") == "1024"
 
 
-def reload_with(corral: Corral, data: dict[str, Any]) -> dict[str, Any]:
-    corral.config_path.write_text(yaml.safe_dump(data))
-    answer = corral.http.post("/admin/reload")
-    assert answer.status_code == 200, answer.text
-    result: dict[str, Any] = answer.json()
-    return result
-
-
 def test_a_reload_keeps_overrides_unless_it_changes_the_model(setup: tuple[Corral, str],
                                                                corral: Corral, gate: Gate):
     model = setup[1]
@@ -389,18 +380,18 @@ def test_a_reload_keeps_overrides_unless_it_changes_the_model(setup: tuple[Corra
         # Another model changes: tiny's child runs on with its overrides.
         changed = config(model, gate)
         changed["models"]["other"]["ctx"] = 16384
-        reload_with(corral, changed)
+        corral.reload_with(changed)
         shown = corral.model("tiny")
         assert (shown["pid"], shown["overrides"], shown["ctx"]) == (pid, {"ctx": 2048}, 2048)
         # tiny's own config changes: it restarts with the new config; its overrides end.
-        reload_with(corral, config(model, gate, tiny_ctx=512))
+        corral.reload_with(config(model, gate, tiny_ctx=512))
         wait_until(lambda: corral.model("tiny")["state"] == "ready"
                    and corral.model("tiny")["pid"] != pid, timeout=30)
         shown = corral.model("tiny")
         assert shown["overrides"] is None and shown["ctx"] == 512
         assert flag(argv_of(shown["pid"]), "--ctx-size") == "512"
     finally:
-        reload_with(corral, config(model, gate))
+        corral.reload_with(config(model, gate))
 
 
 # -- who may ask, and how -------------------------------------------------------------------------
@@ -456,7 +447,6 @@ def test_the_cli_passes_overrides_to_a_running_daemon(corral: Corral):
     bad = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "load", "--ctx", "0",
                           "tiny"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "ctx" in bad.stderr + bad.stdout
-
 
 
 # -- placement ------------------------------------------------------------------------------------
@@ -523,7 +513,6 @@ def test_the_router_shaped_load_does_not_ignore_overrides(corral: Corral):
     wait_until(lambda: corral.model("tiny")["state"] == "ready", timeout=30)
 
 
-
 def test_a_restart_during_a_reloads_switch_over_keeps_the_new_config(
         start_corral: CorralFactory, tmp_path: Path, gate: Gate) -> None:
     """A reload changes tiny's ctx: its new child starts beside the old one (blue/green) and
@@ -539,7 +528,7 @@ def test_a_restart_during_a_reloads_switch_over_keeps_the_new_config(
     old = load(corral, "tiny").json()["pid"]
     gate.hold_starts()
     try:
-        reload_with(corral, cfg(512))
+        corral.reload_with(cfg(512))
         wait_until(gate.started.exists, timeout=20)
         assert corral.model("tiny")["model_state"] == "switching"
         thread, out = in_background(lambda: load(corral, "tiny",
@@ -572,7 +561,7 @@ def test_an_unload_during_a_reloads_switch_over_keeps_the_new_config(
     assert load(corral, "tiny").status_code == 200
     gate.hold_starts()
     try:
-        reload_with(corral, cfg(512))
+        corral.reload_with(cfg(512))
         wait_until(gate.started.exists, timeout=20)
         assert corral.model("tiny")["model_state"] == "switching"
         assert corral.http.post("/admin/models/tiny/unload").status_code == 200

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from fake_gpu import write as write_gpu
 
 from corral.supervisor.memory.estimate import estimate, model_facts
@@ -33,12 +32,6 @@ FAKE_GPU = Path(__file__).with_name("fake_gpu.py")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Heads of 32 dims: quantized KV types store blocks of 32 (16-dim heads refuse them).
     return write_tiny_llama(tmp_path_factory.mktemp("kv") / "tiny-kv.gguf", seed=5, n_head=2)
-
-
-def reload_with(corral: Corral, config: dict[str, Any]) -> None:
-    corral.config_path.write_text(yaml.safe_dump(config))
-    response = corral.http.post("/admin/reload")
-    assert response.status_code == 200, response.text
 
 
 def memory_of(corral: Corral) -> dict[str, dict[str, Any]]:
@@ -71,7 +64,7 @@ def test_a_ram_budget_for_two_children_evicts_by_memory_for_the_third(
     used = measured_after_serving(corral, names[:2])
     # Room for both and half of another: tiny-c, about as big as either, does not fit.
     config["memory"]["budget_mb"] = sum(used.values()) + 0.5 * min(used.values())
-    reload_with(corral, config)
+    corral.reload_with(config)
 
     assert corral.chat("tiny-c", max_tokens=4).status_code == 200
     states = {n: m["state"] for n, m in corral.models().items()}
@@ -97,7 +90,7 @@ def test_a_load_nothing_can_make_room_for_names_what_is_in_the_way(
     assert corral.chat("tiny-a", max_tokens=4).status_code == 200
     used = measured_after_serving(corral, ("tiny-a",))["tiny-a"]
     config["memory"]["budget_mb"] = used * 1.5
-    reload_with(corral, config)
+    corral.reload_with(config)
 
     response = corral.chat("tiny-b", max_tokens=4)
     assert response.status_code == 503, response.text
@@ -142,7 +135,7 @@ def test_auto_kv_mode_picks_q8_0_where_f16_does_not_fit_the_budget(
 
     # With room for f16 it takes f16 at its next start.
     config["memory"]["budget_mb"] = total("f16") * 2 / MIB
-    reload_with(corral, config)
+    corral.reload_with(config)
     assert corral.http.post("/admin/models/kv/unload").status_code == 200
     assert corral.chat("kv", max_tokens=4).status_code == 200
     argv = argv_of(corral, "kv")[-1]

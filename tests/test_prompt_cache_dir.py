@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import structlog
-import yaml
 from test_prompt_cache_files import MiB, _args, _cache, _Loaded, _mode
 
 from corral.supervisor import cli
@@ -155,8 +154,7 @@ def test_a_reload_that_lowers_max_mb_applies_it_at_once(start_corral, tiny_model
         peer.add(Entry(file=f"{stem}{SUFFIX}", key="k", model="m", tokens=[age], n_tokens=1,
                        bytes=nbytes, fingerprint=digest, saved_at=0.0, last_used=float(age)))
     config["prompt_cache"]["max_mb"] = 2
-    corral.config_path.write_text(yaml.safe_dump(config))
-    assert corral.http.post("/admin/reload").status_code == 200
+    corral.reload_with(config)
     wait_until(lambda: not (folder / f"old{SUFFIX}").exists(), timeout=10)
     assert sorted(p.name for p in folder.glob("*" + SUFFIX)) == [f"mid{SUFFIX}", f"new{SUFFIX}"]
     dropped = corral.log_events("prompt_cache.dropped")
