@@ -340,13 +340,14 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         upstream.close()  # cancelled: make the child see the hang-up
         raise
     upstream.release()
-    if upstream.status != 200:
-        raw = without_secrets(raw, lease.headers)
+    failed = upstream.status != 200
+    if failed:
+        raw = without_secrets(raw, lease.headers)  # a remote may quote its key
     try:
         data = json.loads(raw) if raw else None
     except (ValueError, RecursionError) as exc:  # a hostile upstream nests deep
         raise UpstreamFailed(f"{model} answered with invalid JSON: {exc}") from exc
-    if upstream.status != 200:
+    if failed:
         error = data.get("error") if isinstance(data, dict) else None
         message = error.get("message") if isinstance(error, dict) else str(data)[:300]
         raise UpstreamRejected(f"{model} answered HTTP {upstream.status}: {message}")
