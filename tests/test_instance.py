@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
+import subprocess
 
 import aiohttp
 import pytest
@@ -12,6 +16,8 @@ from corral.supervisor.backends.llama_server import LlamaServer
 from corral.supervisor.config import parse_config
 from corral.supervisor.instance import Instance, State
 from corral.supervisor.instance import launch as instance_module
+
+from conftest import llama_server_binary
 
 
 def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):
@@ -47,6 +53,60 @@ def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):
         asyncio.run(run())
     finally:
         squatter.close()
+
+
+def test_a_stranger_that_answers_on_the_picked_port_is_not_taken_for_the_child(
+        tiny_models, monkeypatch):
+    """Another daemon's llama-server (its own key) took the port corral picked before the
+    child bound it. Its /health answers 200 like the child's would: corral must not go READY
+    in front of it (every request would get its 401), but retry on another port. The port
+    picker is the only stand-in; the stranger is a real llama-server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        taken = s.getsockname()[1]
+    stranger = subprocess.Popen(
+        [llama_server_binary(), "--model", str(tiny_models["tiny-b"]), "--host", "127.0.0.1",
+         "--port", str(taken), "--api-key", "someone-elses"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    picked: list[int] = []
+    real_free_port = instance_module.free_port
+
+    def pick() -> int:
+        picked.append(taken if not picked else real_free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(instance_module, "free_port", pick)
+    spec = parse_config(f"models: {{a: {{model: '{tiny_models['tiny-a']}'}}}}").models["a"]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            async def stranger_ready() -> None:
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"http://127.0.0.1:{taken}/health") as r:
+                            if r.status == 200:
+                                return
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(stranger_ready(), 60)
+            inst = Instance(spec, LlamaServer(), on_change=lambda: None)
+            inst.begin_start(session, on_spawn=lambda _: None)
+            await inst.wait_ready()
+            try:
+                assert inst.state is State.READY
+                assert picked[0] == taken and inst.port == picked[1] != taken
+                async with session.post(f"http://127.0.0.1:{inst.port}/v1/completions",
+                                        headers=inst._headers,
+                                        json={"prompt": "hi", "max_tokens": 1}) as resp:
+                    assert resp.status == 200, await resp.text()
+            finally:
+                await inst.stop("test over")
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+        stranger.wait()
 
 
 def test_start_gives_up_after_the_second_lost_race(tiny_models, monkeypatch):

@@ -20,6 +20,7 @@ from corral.supervisor.backends.base import Backend, BinaryNotFound
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.events import EventBus
+from corral.supervisor.listener import held_by_stranger
 from corral.supervisor.memory.estimate import EstimateError
 from corral.supervisor.process import (
     ChildExited,
@@ -173,7 +174,8 @@ class Launch:
             raise
         try:
             self._on_spawn()
-            await process.wait_healthy(self._readiness(port, headers), self._start_timeout,
+            await process.wait_healthy(self._readiness(port, headers, process),
+                                       self._start_timeout,
                                        self._backend.ready_lines,
                                        health_path(self.spec, self._backend))
         except ChildExited as exc:
@@ -250,23 +252,39 @@ class Launch:
                                         tensor_split=deployment.plan.layers)
         return deployment
 
-    def _readiness(self, port: int, headers: dict[str, str],
+    def _readiness(self, port: int, headers: dict[str, str], process: ChildProcess,
                    ) -> Callable[[float], Awaitable[bool]]:
         """The start's readiness probe: /health answers 200 and, for a backend that answers
         it early (vLLM), /v1/models lists the model's name. A command child polls its own
-        `health` path, or with `health: none` waits for its port to accept connections."""
+        `health` path, or with `health: none` waits for its port to accept connections.
+        Whoever answered must not be a stranger that took the port before the child bound
+        it (supervisor/listener.py): the child's bind failure then ends the try."""
         base = f"http://127.0.0.1:{port}"
         path = health_path(self.spec, self._backend)
         health, lists_models = base + (path or ""), self._backend.lists_models
-        session, model = self._session, self._model
+        session, model, log = self._session, self._model, self._log
+        warned = False
 
-        async def ready(timeout: float) -> bool:
+        async def answers(timeout: float) -> bool:
             if path is None:
                 return await port_open(port, timeout)
             if await probe_health(session, health, timeout) is not None:
                 return False
             return not lists_models or await probe_lists_model(
                 session, base + "/v1/models", model, headers, timeout)
+
+        async def ready(timeout: float) -> bool:
+            nonlocal warned
+            if not await answers(timeout):
+                return False
+            pid = process.pid
+            if pid is None or not await asyncio.to_thread(held_by_stranger, pid, port):
+                return True
+            if not warned:
+                warned = True
+                log.warning("instance.port_held_by_another", port=port, pid=pid,
+                            note="another process answers on the child's port")
+            return False
 
         return ready
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
-import psutil
 import structlog
 from pydantic import SecretStr
 
 from corral.supervisor.backends.binaries import BinaryNotFound, find_executable
+from corral.supervisor.listener import process_listens
 from corral.supervisor.process import ChildExited, ChildProcess, free_port
 from corral.supervisor.reaper import GroupKeeper
 
@@ -128,18 +128,6 @@ def rpc_version(binary: str) -> str:
     return _version_cache[binary]
 
 
-def _listens(pid: int, port: int) -> bool:
-    """Whether process `pid` itself has a listening socket on `port` (a connect alone could
-    reach someone else's server on that port). Blocking, and not cheap: psutil reads the
-    host's whole TCP table to match the process's sockets, so it runs in a thread, once a
-    connect has succeeded."""
-    try:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(pid).net_connections(kind="tcp"))
-    except psutil.Error:
-        return False
-
-
 async def _accepts(host: str, port: int, timeout: float) -> bool:
     """Whether a TCP connect to host:port succeeds within `timeout`."""
     try:
@@ -166,7 +154,7 @@ async def wait_accepting(host: str, port: int, timeout: float, child: ChildProce
                               child.returncode, child.tail())
         if await _accepts(host, port, min(1.0, max(deadline - loop.time(), 0.05))) and (
                 child is None or child.pid is None
-                or await asyncio.to_thread(_listens, child.pid, port)):
+                or await asyncio.to_thread(process_listens, child.pid, port)):
             return
         if loop.time() > deadline:
             raise RpcError(f"nothing accepts connections at {host}:{port} after "
