@@ -26,6 +26,8 @@ import psutil
 import pytest
 import yaml
 
+from corral.supervisor.listener import process_listens
+
 sys.path.insert(0, str(Path(__file__).parent))
 from minilm_gguf import write_minilm_gguf
 from tinymodel import write_tiny_llama
@@ -438,7 +440,21 @@ class CorralFactory:
               host: str = "127.0.0.1") -> Corral:
         """`corral serve` with `args` (a config or a models folder), JSON logs to a file of
         the factory's folder; checked and stopped by close(). `host`: the loopback address it
-        listens on (all of 127/8 is loopback on Linux: a fleet's nodes on .2, .3, .4)."""
+        listens on (all of 127/8 is loopback on Linux: a fleet's nodes on .2, .3, .4).
+
+        The port is picked free here, but the daemon binds it a second or more later (Python's
+        start, the daemon's own): another xdist worker's child or test server may take it in
+        between, and its /health would pass for the daemon's. So the daemon is healthy only
+        when it answers and listens there itself; one that lost the port (exit 1 on
+        `corral.listen_failed`, address in use) is started again on another port."""
+        for _ in range(5):
+            corral = self._launch(args, config_path, api_key, env, host)
+            if not wait or self._came_up(corral):
+                return corral
+        raise AssertionError(f"corral lost its port five times in a row (log {corral.log_path})")
+
+    def _launch(self, args: Sequence[str], config_path: Path, api_key: str,
+                env: dict[str, str] | None, host: str) -> Corral:
         port = free_port()
         log_path = self.folder / f"corral-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
@@ -450,15 +466,32 @@ class CorralFactory:
                 env={**os.environ, **DAEMON_ENV, **(env or {})})
         corral = Corral(proc, f"http://{host}:{port}", log_path, config_path, api_key)
         self.started.append(corral)
-        if wait:
-            def healthy() -> bool:
-                assert proc.poll() is None, f"corral exited:\n{log_path.read_text()}"
-                try:
-                    return httpx.get(corral.url + "/health", timeout=1).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            wait_until(healthy, timeout=15)
         return corral
+
+    @staticmethod
+    def _came_up(corral: Corral) -> bool:
+        """True once `corral` answers /health on its own socket; False when it exited because
+        someone else held its port (declared on it, so close() lets that through); a failure
+        otherwise."""
+        port = int(corral.url.rsplit(":", 1)[1])
+
+        def up_or_out() -> bool:
+            if corral.proc.poll() is not None:
+                return True
+            try:
+                if httpx.get(corral.url + "/health", timeout=1).status_code != 200:
+                    return False
+            except httpx.HTTPError:
+                return False
+            return process_listens(corral.proc.pid, port)
+
+        wait_until(up_or_out, timeout=15)
+        if corral.proc.poll() is None:
+            return True
+        lost = [e for e in corral.log_events("corral.listen_failed") if "in use" in e["error"]]
+        assert lost, f"corral exited:\n{corral.log_path.read_text()}"
+        corral.expect("corral.listen_failed", exit_code=corral.proc.returncode)
+        return False
 
     def close(self) -> None:
         problems = []

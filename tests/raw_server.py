@@ -7,14 +7,14 @@ from __future__ import annotations
 import socket
 import threading
 
-from conftest import free_port
-
 
 class RawServer:
     def __init__(self) -> None:
-        self.port = free_port()
         self.connections = 0  # accepted so far
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        # Bound at once on a port the kernel picks: a port picked free and bound later may be
+        # another xdist worker's by then.
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:

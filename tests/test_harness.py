@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fake_upstream import requests
+from raw_server import RawServer
 
+import conftest
 from conftest import Corral, CorralFactory, LogExpectations, log_problems, tiny_config, wait_until
+
+_any_free_port = conftest.free_port
 
 
 def _line(event: str, level: str = "info", **fields: object) -> str:
@@ -145,3 +151,29 @@ def test_a_real_daemon_whose_plugin_raises_fails_its_teardown(tmp_path, tiny_mod
     allowed = LogExpectations()
     allowed.add(allow=r'"daemon.strategy_failed".*ZeroDivisionError')
     assert log_problems(text, allowed) == []
+
+
+class _Squatter(RawServer):
+    """Another worker's server on the port the harness picked: it answers /health 200."""
+
+    def serve(self, conn: socket.socket) -> None:
+        for _ in requests(conn):
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+
+def test_a_daemon_whose_port_is_taken_before_it_binds_comes_up_on_another(
+        start_corral: CorralFactory, tiny_models, monkeypatch) -> None:
+    """The harness picks a free port and the daemon binds it a second later; CI once ran two
+    workers where one's server can take it in between. The harness must neither take that
+    server's /health for the daemon's nor fail the test: it starts the daemon on another port."""
+    squatter = _Squatter()
+    picks = iter([squatter.port])
+    monkeypatch.setattr(conftest, "free_port", lambda: next(picks, None) or _any_free_port())
+    try:
+        corral = start_corral(tiny_config(tiny_models))
+        assert corral.url != f"http://127.0.0.1:{squatter.port}"
+        assert list(corral.models()) == ["tiny-a"]
+        lost = start_corral.started[0]
+        assert lost is not corral and lost.proc.returncode == 1
+    finally:
+        squatter.close()
