@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import shutil
+import socket
 import socketserver
 import threading
 from collections.abc import Iterator
@@ -19,15 +20,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from playwright.sync_api import Browser, sync_playwright
 
-from conftest import Corral, CorralFactory, free_port, tiny_config, wait_until
+from conftest import Corral, CorralFactory, tiny_config, wait_until
 
 ADMIN = "edge-admin"
 USER = "edge-user"
-FRIEND_PORT = free_port()  # a web app the operator allows
-EVIL_PORT = free_port()  # any other page the user happens to open
+
+
+def _reserve() -> socket.socket:
+    """A port of this module's from its import on: bound, not listening and without
+    SO_REUSEADDR, so no one else binds it (reuse flag or not) until _serve listens on this
+    very socket. The ports are named at collection, minutes before their servers start: a
+    port picked free and closed could be another xdist worker's child's by then."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+_RESERVED = {sock.getsockname()[1]: sock for sock in (_reserve() for _ in range(3))}
+FRIEND_PORT, EVIL_PORT, MISSING_PORT = _RESERVED
+# FRIEND: a web app the operator allows; EVIL: any other page the user happens to open.
 FRIEND = f"http://127.0.0.1:{FRIEND_PORT}"
 # A source that fails at once if a pull ever starts (a server that answers 404).
-MISSING_PORT = free_port()
 SOURCE = f"http://127.0.0.1:{MISSING_PORT}/x.gguf"
 
 
@@ -193,8 +206,10 @@ def _serve(port: int, html: str, status: int = 200) -> socketserver.TCPServer:
         def log_message(self, *_args: Any) -> None:
             pass
 
-    socketserver.TCPServer.allow_reuse_address = True
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Page)
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Page, bind_and_activate=False)
+    server.socket.close()
+    server.socket = _RESERVED.pop(port)
+    server.server_activate()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
