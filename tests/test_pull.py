@@ -688,7 +688,7 @@ def test_the_daemons_puller_reports_progress_live_and_its_end_for_replay(
     assert [e["state"] for e in replayed] == ["running", "done"]
 
 
-def test_a_host_that_does_not_resolve_fails_at_once(tmp_path: Path):
+def test_a_host_that_does_not_resolve_fails_at_once(tmp_path: Path) -> None:
     # Not retried like a dropped connection (5 times, ~30 s): a typo, or no network.
     began = time.monotonic()
     with pytest.raises(pull.PullError, match="cannot resolve"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -60,6 +61,8 @@ PROGRESS_EVERY_S = 0.25
 MAX_REDIRECTS = 10
 _WRITE_AT = 1 << 20  # bytes gathered before one write (and hash update) in the writer thread
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+# A write refused for want of room: the disk, a quota, a file size limit (RLIMIT_FSIZE).
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 ProgressFn = Callable[[int, int | None, float], None]  # downloaded, total (if known), bytes/s
 
@@ -137,21 +140,26 @@ async def pull(source: Source, models_dir: Path, *, sha256: str | None = None,
     target = models_dir / source.filename
     if target.exists() and not force:
         raise ModelExists(f"{target} exists (force to replace it)")
-    models_dir.mkdir(parents=True, exist_ok=True)
     download = _Download(source, models_dir, expected, progress,
                          token if token is not None else os.environ.get("HF_TOKEN"))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                     connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
-    part = _Part(models_dir, source.filename)
     try:
-        # auto_decompress off: the bytes on disk are the file's bytes, and offsets in Range
-        # count those (a gzip-encoded answer would count others).
-        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                         headers={"User-Agent": "corral-pull/1"}) as session:
-            return await download.run(session, part, target, force, retries, backoff)
-    finally:
-        download.meter.close()
-        part.close()
+        models_dir.mkdir(parents=True, exist_ok=True)
+        part = _Part(models_dir, source.filename)
+        try:
+            # auto_decompress off: the bytes on disk are the file's bytes, and offsets in
+            # Range count those (a gzip-encoded answer would count others).
+            async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                             headers={"User-Agent": "corral-pull/1"}) as session:
+                return await download.run(session, part, target, force, retries, backoff)
+        finally:
+            download.meter.close()
+            part.close()
+    except OSError as exc:
+        # The folder, not the network (those errors end in _fetch): not writable, read-only,
+        # a failing disk. A failed pull to report, not a bug.
+        raise PullError(f"{source.filename}: cannot write in {models_dir}: {exc}") from exc
 
 
 class _Download:
@@ -283,11 +291,9 @@ class _Download:
         need = self.total - part.size if self.total is not None else pending
         if usage.free - need >= reserve:
             return
-        kept = f"{part.size} bytes kept; free space and pull again to resume" if part.size \
-            else "nothing was kept"
         raise NoSpace(f"{self.source.filename}: not enough space in {self.models_dir}: "
                       f"{_size(need)} more needed, {_size(usage.free)} free, of which "
-                      f"{_size(reserve)} stays free ({kept})")
+                      f"{_size(reserve)} stays free ({_kept(part)})")
 
     async def _get(self, session: aiohttp.ClientSession,
                    headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -348,19 +354,29 @@ class _Download:
                                     f"{self.total} bytes it announced; the partial download "
                                     "was deleted")
                 if len(buffer) >= _WRITE_AT:
-                    try:
-                        self._check_room(part, len(buffer))
-                    except NoSpace:
-                        buffer.clear()  # no room for it either
-                        raise
-                    await part.run(part.write, bytes(buffer))
-                    buffer.clear()
+                    data = bytes(buffer)
+                    buffer.clear()  # not written twice: a failed write is not retried below
+                    self._check_room(part, len(data))
+                    await self._write(part, data)
                 self.meter(part.size + len(buffer), self.total)
         finally:
             # What arrived before a drop or a cancel is kept: the next attempt asks for less.
             if buffer:
-                await part.run(part.write, bytes(buffer))
+                data = bytes(buffer)
+                buffer.clear()
+                await self._write(part, data)
             self.meter(part.size, self.total, force=True)
+
+    async def _write(self, part: _Part, data: bytes) -> None:
+        """Append `data`; a disk that fills up meanwhile (another writer took the room the
+        check saw) is NoSpace, like one found full before, with the part kept to resume."""
+        try:
+            await part.run(part.write, data)
+        except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise
+            raise NoSpace(f"{self.source.filename}: no room left in {self.models_dir} "
+                          f"({exc.strerror}) ({_kept(part)})") from None
 
     def _not_gguf(self, resp: aiohttp.ClientResponse, head: bytes) -> str:
         kind = resp.headers.get("Content-Type", "no Content-Type")
@@ -401,6 +417,11 @@ def _loggable(url: str) -> str:
     parsed = URL(url, encoded=True)
     return str(parsed.with_user(None).with_query(None)) + ("?..." if parsed.raw_query_string
                                                            else "")
+
+
+def _kept(part: _Part) -> str:
+    return f"{part.size} bytes kept; free space and pull again to resume" if part.size \
+        else "nothing was kept"
 
 
 def _size(n: int) -> str:

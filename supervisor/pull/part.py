@@ -50,7 +50,9 @@ class _Part:
             os.close(fd)
             self._pool.shutdown()
             raise PullRunning(f"another pull is writing {self.path}") from None
-        self._file = os.fdopen(fd, "r+b")
+        # Unbuffered: a write the disk cuts short must not leave bytes in a buffer that the
+        # close would write later, after the part was cut back (see write()).
+        self._file = os.fdopen(fd, "r+b", buffering=0)
         self.size = self._file.seek(0, os.SEEK_END)
         self.hashed = self.size == 0
 
@@ -93,23 +95,32 @@ class _Part:
         self.hashed = True
 
     def write(self, data: bytes) -> None:
-        self._file.write(data)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view) or 0:]
+        except OSError:
+            # The disk filled (or failed) partway: some of `data` may be on disk, but neither
+            # the size nor the hash counts it. Cut back to what they cover, so a resume asks
+            # for the right byte and a later write does not land after a torn one.
+            with contextlib.suppress(OSError):
+                self._file.truncate(self.size)
+                self._file.seek(self.size)
+            raise
         self.hasher.update(data)
         self.size += len(data)
 
     def head(self, n: int) -> bytes:
-        self._file.flush()
         return os.pread(self._file.fileno(), n, 0)
 
     def sync(self) -> None:
-        self._file.flush()
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self.size == 0:
             self.remove()  # nothing to resume (a 404, a refused body): no litter
-        self._file.close()  # flushes, and releases the lock
+        self._file.close()  # releases the lock
 
     def remove(self) -> None:
         for path in (self.path, self.meta_path):

@@ -1,0 +1,86 @@
+"""Pulling models when the machine, not the server, fails: a disk that fills up partway (after
+the free-space check passed), a models_dir that cannot be written. The same local server as
+tests/test_pull.py (its fixtures, imported). No network beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import test_pull
+from test_pull import Server, run, sha
+
+from corral.supervisor import pull
+from corral.supervisor.config import parse_config
+from corral.supervisor.events import EventBus
+
+# test_pull's local server and small disks, as fixtures of this module too.
+served, server, small_disk = test_pull.served, test_pull.server, test_pull.small_disk
+
+
+def _roomy(path: Any) -> Any:
+    """What disk_usage says of a disk another writer is about to fill: plenty free."""
+    return shutil._ntuple_diskusage(1 << 40, 0, 1 << 39)
+
+
+def _pull_in_daemon(models: Path, url: str) -> tuple[pull.PullJob, list[MutableMapping[str, Any]]]:
+    """One pull through the daemon's Puller, and what it logged."""
+    loaded = parse_config(f"models_dir: {models}\n")
+
+    async def scenario() -> pull.PullJob:
+        puller = pull.Puller(EventBus(), lambda: loaded)
+        job = puller.start(url)
+        await puller.wait(job.id)
+        return job
+
+    with structlog.testing.capture_logs() as logs:
+        job = asyncio.run(scenario())
+    return job, logs
+
+
+def test_a_disk_that_fills_up_midway_keeps_an_exact_part_to_resume(
+        server: Server, small_disk: Callable[[str], Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check saw room, then the disk filled (another writer): the write fails partway.
+    The pull fails as NoSpace, not an OSError (a traceback in the daemon's log); the part
+    holds exactly the bytes it says it kept, none of the torn write; a pull once there is room
+    resumes from them."""
+    disk = small_disk("1536k")
+    data = b"GGUF" + os.urandom(3 << 20)
+    server.blobs["full.gguf"] = data
+    monkeypatch.setattr(shutil, "disk_usage", _roomy)
+    job, logs = _pull_in_daemon(disk, server.url("/blob/full.gguf"))
+    assert job.state == "failed" and job.error is not None, job
+    assert "no room left" in job.error and "free space and pull again" in job.error, job.error
+    assert not [e for e in logs if e.get("exc_info")], logs  # a failure, not a bug
+    part = disk / ".full.gguf.part"
+    kept = part.stat().st_size
+    # What it says it kept is what is on disk: the torn write's bytes were cut back off.
+    assert 0 < kept < len(data) and f"{kept} bytes kept" in job.error
+    assert part.read_bytes() == data[:kept]
+
+    monkeypatch.undo()
+    subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+    result = run(pull.resolve_source(server.url("/blob/full.gguf")), disk)
+    assert result.resumed_from == kept and server.requests[-1]["range"] == f"bytes={kept}-"
+    assert (disk / "full.gguf").read_bytes() == data and result.sha256 == sha(data)
+
+
+def test_a_models_dir_that_cannot_be_written_is_a_failed_pull_not_a_bug(
+        server: Server, small_disk: Callable[[str], Path]) -> None:
+    disk = small_disk("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    job, logs = _pull_in_daemon(disk, server.url("/blob/tiny.gguf"))
+    assert job.state == "failed" and job.error is not None, job
+    assert job.error.startswith("tiny.gguf: cannot write in") and "Read-only" in job.error
+    assert not [e for e in logs if e.get("exc_info")], logs
+    assert server.requests == []  # refused before the network
+    with pytest.raises(pull.PullError, match="cannot write in"):
+        run(pull.resolve_source(server.url("/blob/tiny.gguf")), disk / "sub")
