@@ -141,7 +141,8 @@ class Metrics:
         return UNKNOWN_MODEL
 
     def observe(self, record: RequestRecord) -> None:
-        model = self.model_label(record.model)
+        """`record.model` is a label already (model_label): the accounting sets it so."""
+        model = record.model
         per_model = self._per_model.get(model)
         if per_model is None:
             per_model = self._per_model[model] = _ModelSeries(self, model)
@@ -169,6 +170,8 @@ class Metrics:
 
     def on_event(self, event: Event) -> None:
         data, kind = event.data, event.kind
+        if kind == "request":
+            return  # one per request, counted in observe(): not down the chain below
         if kind == "load":
             self.starts.labels(data["model"]).inc()
             if data.get("restart"):

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from typing import Any
 
 import structlog
+
+
+def _fallback(obj: Any) -> Any:
+    """What JSON has no type for, as structlog's JSONRenderer writes it."""
+    structlog_form = getattr(obj, "__structlog__", None)
+    return structlog_form() if callable(structlog_form) else repr(obj)
+
+
+# One encoder for every line: json.dumps with a `default` builds a new encoder per call
+# (1.5-2 µs of each request's log line on the 2-core VM).
+_ENCODER = json.JSONEncoder(default=_fallback)
+
+
+def _dumps(obj: Any, **_: Any) -> str:
+    return _ENCODER.encode(obj)
 
 
 def configure(level: str = "info", fmt: str = "auto") -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if fmt == "json"
+        structlog.processors.JSONRenderer(serializer=_dumps) if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
         processors=[
