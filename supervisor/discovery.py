@@ -15,7 +15,8 @@ Rules (documented in README, "Config", "Discovery"):
   that must keep its name is configured under `models:`.
 - A split model (`name-00001-of-00003.gguf`, ...) is one model, `name`, whose path is the first
   shard (llama-server finds the rest beside it). The other shards are never listed; a split
-  model without its first shard is not listed at all.
+  model missing any of its shards (the first, or one still being pulled or copied) is not
+  listed at all.
 - A file whose name contains `mmproj` is a multimodal projector, never a model. It pairs only
   with models in its own folder (the usual download: one folder per repository, holding the
   quantisations and the projector). Its key is its name without `mmproj` and without a
@@ -160,12 +161,19 @@ def _in_folder(folder: Path, files: list[str]) -> list[Discovered]:
             if int(shard.group(1)) != 1:
                 continue  # a later shard: its model is listed under the first one
             name = filename[:shard.start()]
+            if not _all_shards(files, name, shard.group(2)):
+                continue  # half a model (shards still being pulled or copied) is no model
         else:
             name = filename.removesuffix(".gguf")
         # Names collide only in odd folders (`foo.gguf` beside `foo-00001-of-00002.gguf`):
         # the first in file-name order keeps the name.
         models.setdefault(name, Discovered(name, path))
     return [_with_projector(m, projectors, models) for m in models.values()]
+
+
+def _all_shards(files: list[str], name: str, count: str) -> bool:
+    present = set(files)
+    return all(f"{name}-{i:05d}-of-{count}.gguf" in present for i in range(1, int(count) + 1))
 
 
 def _with_projector(model: Discovered, projectors: list[Path],

@@ -19,6 +19,7 @@ from test_pull import Server, run, sha
 
 from corral.supervisor import pull
 from corral.supervisor.config import parse_config
+from corral.supervisor.discovery import discover
 from corral.supervisor.events import EventBus
 
 # test_pull's local server and small disks, as fixtures of this module too.
@@ -84,3 +85,20 @@ def test_a_models_dir_that_cannot_be_written_is_a_failed_pull_not_a_bug(
     assert server.requests == []  # refused before the network
     with pytest.raises(pull.PullError, match="cannot write in"):
         run(pull.resolve_source(server.url("/blob/tiny.gguf")), disk / "sub")
+
+
+def test_a_split_model_is_listed_once_all_its_shards_are_pulled(server: Server,
+                                                                tmp_path: Path) -> None:
+    """Each shard is its own pull (`owner/repo:m-00001-of-00003.gguf`, ...): the model the
+    first one names is no model until the last has landed (llama-server would fail to load
+    it, on every request that asked for it)."""
+    data = server.blobs["tiny.gguf"]
+    shards = [f"m-Q4_K_M-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    for name in shards:
+        server.blobs[name] = data
+    listed: list[list[str]] = []
+    for name in shards:
+        run(pull.resolve_source(server.url(f"/blob/{name}")), tmp_path)
+        listed.append([f"{m.name} {m.path.name}" for m in discover(tmp_path)])
+    assert listed[:2] == [[], []]
+    assert listed[2] == [f"m-Q4_K_M {shards[0]}"]
