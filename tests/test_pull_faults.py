@@ -1,13 +1,18 @@
 """Pulling models when the machine, not the server, fails: a disk that fills up partway (after
-the free-space check passed), a models_dir that cannot be written. The same local server as
+the free-space check passed), a models_dir that cannot be written, a cancel while a big part is
+read back; and split models, pulled a shard at a time. The same local server as
 tests/test_pull.py (its fixtures, imported). No network beyond 127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import threading
+import types
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -102,3 +107,62 @@ def test_a_split_model_is_listed_once_all_its_shards_are_pulled(server: Server,
         listed.append([f"{m.name} {m.path.name}" for m in discover(tmp_path)])
     assert listed[:2] == [[], []]
     assert listed[2] == [f"m-Q4_K_M {shards[0]}"]
+
+
+def test_a_pull_cancelled_while_it_hashes_its_part_leaves_the_loop_free(
+        server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume reads its part back to hash it: minutes for tens of GB. A pull cancelled then
+    (DELETE /admin/pulls/{id}, shutdown) closed its part on the event loop, waiting for the
+    whole hash: every other request of the daemon stalled behind it. Now the hash stops at its
+    next chunk and the close waits off the loop; the part stays, and resumes."""
+    data = b"GGUF" + os.urandom(20 << 20)
+    server.blobs["held.gguf"] = data
+    url = server.url("/blob/held.gguf")
+    part, meta = pull.part_paths(tmp_path, "held.gguf")
+    part.write_bytes(data[:17 << 20])  # read back in three chunks (8 MiB each)
+    meta.write_text(json.dumps({"url": url, "total": len(data)}))
+    entered, release = threading.Event(), threading.Event()
+    chunks: list[int] = []
+
+    class HeldHash:
+        """sha256 whose first chunk waits for the test (at most 5 s: a loop held that long
+        shows as the test's own sleep not ending before it)."""
+
+        def __init__(self) -> None:
+            self.inner = hashlib.sha256()
+
+        def update(self, chunk: bytes) -> None:
+            chunks.append(len(chunk))
+            if len(chunks) == 1:
+                entered.set()
+                release.wait(10)
+            self.inner.update(chunk)
+
+        def hexdigest(self) -> str:
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(pull.part, "hashlib", types.SimpleNamespace(sha256=HeldHash))
+    timer = threading.Timer(5, release.set)
+
+    async def cancel_while_hashing() -> bool:
+        task = asyncio.create_task(pull.pull(pull.resolve_source(url), tmp_path))
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        timer.start()
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancel is delivered; the part's close begins
+        free = not release.is_set()  # the loop came back before the hash was let go
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return free
+
+    try:
+        assert asyncio.run(cancel_while_hashing()), "the event loop waited for the hash"
+    finally:
+        timer.cancel()
+    assert len(chunks) == 1  # the hash stopped at its next chunk
+    assert part.stat().st_size == 17 << 20 and not (tmp_path / "held.gguf").exists()
+    monkeypatch.undo()
+    result = run(pull.resolve_source(url), tmp_path)
+    assert result.resumed_from == 17 << 20 and result.sha256 == sha(data)
+    assert (tmp_path / "held.gguf").read_bytes() == data

@@ -155,7 +155,7 @@ async def pull(source: Source, models_dir: Path, *, sha256: str | None = None,
                 return await download.run(session, part, target, force, retries, backoff)
         finally:
             download.meter.close()
-            part.close()
+            await part.aclose()
     except OSError as exc:
         # The folder, not the network (those errors end in _fetch): not writable, read-only,
         # a failing disk. A failed pull to report, not a bug.

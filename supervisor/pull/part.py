@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ class _Part:
         self.hasher = hashlib.sha256()
         self.hashed = False  # the hasher covers the bytes on disk
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pull-write")
+        self._closing = threading.Event()  # stops a hash of the part midway (see close())
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             # Two pulls of one file (two terminals, a terminal and the daemon) would interleave
@@ -85,14 +87,16 @@ class _Part:
         self.hasher = hashlib.sha256()
         self._file.seek(0)
         left = self.size
-        while left > 0:
+        # Reading back tens of GB takes minutes: a pull cancelled meanwhile stops here at the
+        # next chunk instead of keeping its close (and the daemon's shutdown) waiting.
+        while left > 0 and not self._closing.is_set():
             chunk = self._file.read(min(left, 8 << 20))
             if not chunk:
                 break
             self.hasher.update(chunk)
             left -= len(chunk)
         self._file.seek(0, os.SEEK_END)
-        self.hashed = True
+        self.hashed = left == 0
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -116,7 +120,15 @@ class _Part:
     def sync(self) -> None:
         os.fsync(self._file.fileno())
 
+    async def aclose(self) -> None:
+        """close() off the event loop: it waits for the write (or the fsync) in flight, and
+        the daemon's other requests must not. Shielded: a second cancel does not leave the
+        file open."""
+        self._closing.set()
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self.close))
+
     def close(self) -> None:
+        self._closing.set()
         self._pool.shutdown(wait=True)
         if self.size == 0:
             self.remove()  # nothing to resume (a 404, a refused body): no litter
