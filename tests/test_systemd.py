@@ -175,6 +175,12 @@ def service(start_corral_module: CorralFactory, tiny_models: dict[str, Path],
     service.ready = notify.wait_for(lambda m: "READY" in m, timeout=20, alive=service.alive)
     service.accepted_at_ready = _accepts(corral.url)
     yield service
+    # Its STOPPING=1 goes to this socket: the daemon ends before the socket does (the
+    # module's last test stops it; a run of some of its tests leaves it running until here,
+    # and its send to a closed socket failed the teardown: sdnotify.send_failed).
+    if corral.proc.poll() is None:
+        corral.proc.send_signal(signal.SIGTERM)
+        corral.proc.wait(30)
     notify.close()
 
 
