@@ -13,9 +13,10 @@ import shutil
 import subprocess
 import threading
 import types
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import structlog
@@ -26,6 +27,8 @@ from corral.supervisor import pull
 from corral.supervisor.config import parse_config
 from corral.supervisor.discovery import discover
 from corral.supervisor.events import EventBus
+
+from tinymodel import write_tiny_llama
 
 # test_pull's local server and small disks, as fixtures of this module too.
 served, server, small_disk = test_pull.served, test_pull.server, test_pull.small_disk
@@ -166,3 +169,63 @@ def test_a_pull_cancelled_while_it_hashes_its_part_leaves_the_loop_free(
     result = run(pull.resolve_source(url), tmp_path)
     assert result.resumed_from == 17 << 20 and result.sha256 == sha(data)
     assert (tmp_path / "held.gguf").read_bytes() == data
+
+
+class _CloseDelimited(BaseHTTPRequestHandler):
+    """HTTP/1.0 as old servers and some proxies speak it: no Content-Length, the body ends
+    when the connection closes. The first answer is cut at `cut` bytes (the line drops, which
+    reads just like the end); a Range is answered with the rest, its total unsaid."""
+
+    body = b""
+    cut = 0
+    ranges: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        wanted = self.headers.get("Range")
+        type(self).ranges.append(wanted)
+        if wanted:
+            start = int(wanted.removeprefix("bytes=").rstrip("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(self.body) - 1}/*")
+            self.end_headers()
+            self.wfile.write(self.body[start:])
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(self.body[:self.cut] if self.cut else self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def close_delimited() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _CloseDelimited)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_body_of_no_announced_size_cut_short_is_resumed_not_listed(
+        close_delimited: str, server: Server, tmp_path: Path) -> None:
+    """Without Content-Length, a connection that drops reads as the body's end: the pull took
+    the first part of the file for all of it, and listed a model that cannot load. The file's
+    tensor table says where it ends: short of that, the pull resumes with Range; a file the
+    server holds truncated (announced size or not) fails, and is never listed."""
+    data = write_tiny_llama(tmp_path / "src.gguf", seed=3).read_bytes()
+    _CloseDelimited.body, _CloseDelimited.cut, _CloseDelimited.ranges = data, 300_000, []
+    models = tmp_path / "models"
+    result = run(pull.resolve_source(close_delimited + "/tiny.gguf"), models)
+    assert _CloseDelimited.ranges == [None, "bytes=300000-"]
+    assert (models / "tiny.gguf").read_bytes() == data and result.sha256 == sha(data)
+
+    _CloseDelimited.body, _CloseDelimited.cut = data[:300_000], 0  # truncated at the source
+    with pytest.raises(pull.PullError, match="tensor data ends at"):
+        run(pull.resolve_source(close_delimited + "/cut.gguf"), models, retries=1)
+    server.blobs["cut.gguf"] = data[:300_000]  # the same, its size announced
+    with pytest.raises(pull.NotGguf, match="truncated; the download was deleted"):
+        run(pull.resolve_source(server.url("/blob/cut.gguf"), name="announced"), models)
+    assert [m.name for m in discover(models)] == ["tiny"]
+    assert not (models / "cut.gguf").exists() and not (models / "announced.gguf").exists()

@@ -12,7 +12,8 @@ keeps a reserve free (RESERVE_BYTES, or 5 % of a small disk): a file that does n
 refused before its first byte when its size is known, and stopped at the reserve otherwise.
 
 Only a whole, verified file becomes a model: the GGUF magic (checked on the first bytes too, so
-an HTML error page served with 200 fails at once), the size the server announced, and the
+an HTML error page served with 200 fails at once), the size the server announced, the end of
+the tensor data its header lists (a body of no announced size ends when the line drops), and the
 sha256 when one is known (given, or the Hugging Face hub's `X-Linked-Etag` for LFS files). A
 bad checksum deletes the part.
 """
@@ -34,6 +35,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from corral.supervisor.gguf_header import read_header
 from corral.supervisor.pull.part import _Part, _place
 from corral.supervisor.pull.source import (
     ChecksumMismatch,
@@ -159,7 +161,8 @@ async def pull(source: Source, models_dir: Path, *, sha256: str | None = None,
     except OSError as exc:
         # The folder, not the network (those errors end in _fetch): not writable, read-only,
         # a failing disk. A failed pull to report, not a bug.
-        raise PullError(f"{source.filename}: cannot write in {models_dir}: {exc}") from exc
+        kind = NoSpace if exc.errno in _NO_ROOM else PullError
+        raise kind(f"{source.filename}: cannot write in {models_dir}: {exc}") from exc
 
 
 class _Download:
@@ -281,6 +284,13 @@ class _Download:
             await self._receive(resp, part)
         if self.total is not None and part.size < self.total:
             raise _Transient(f"connection ended at {part.size} of {self.total} bytes")
+        if self.total is None:
+            # No size announced: a body that ends when the connection closes reads as whole
+            # when the line drops. The file's own tensor table says where it ends.
+            end = await part.run(_gguf_end, part.path)
+            if end is not None and part.size < end:
+                raise _Transient(f"connection ended at {part.size} bytes; the file's tensor "
+                                 f"data ends at {end}")
         return True
 
     def _check_room(self, part: _Part, pending: int) -> None:
@@ -391,6 +401,13 @@ class _Download:
             part.remove()
             raise NotGguf(f"{_loggable(self.source.url)} is not a GGUF file; the download was "
                           "deleted")
+        end = await part.run(_gguf_end, part.path)
+        if end is not None and part.size < end:
+            # Whole as the server counts, cut short as the file counts: a model that would
+            # fail to load (or one the server itself holds truncated).
+            part.remove()
+            raise NotGguf(f"{_loggable(self.source.url)}: the file is {part.size} bytes but its "
+                          f"tensor data ends at {end}: truncated; the download was deleted")
         if not part.hashed:
             await part.run(part.hash_existing)  # a part found whole (416) on a resume
         digest = part.hasher.hexdigest()
@@ -417,6 +434,16 @@ def _loggable(url: str) -> str:
     parsed = URL(url, encoded=True)
     return str(parsed.with_user(None).with_query(None)) + ("?..." if parsed.raw_query_string
                                                            else "")
+
+
+def _gguf_end(path: Path) -> int | None:
+    """Where the GGUF file at `path` says its tensor data ends; None when its header cannot
+    be read (cut inside it, or a type this gguf does not know: no verdict)."""
+    try:
+        header = read_header(path)
+        return max((t.offset + t.n_bytes for t in header.tensors), default=header.data_start)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _kept(part: _Part) -> str:
