@@ -146,11 +146,23 @@ def log_problems(text: str, expected: LogExpectations) -> list[str]:
             continue
         if "exception" in record or "exc_info" in record:
             problems.append(line)  # a traceback: only an `allow` pattern lets one through
+        elif _probe_missed_under_load(record):
+            continue
         elif name not in expected.events and (
                 record.get("level") in ("error", "critical") or FAILED_EVENT.search(name)):
             problems.append(line)
     end_block()
     return problems
+
+
+def _probe_missed_under_load(record: dict[str, Any]) -> bool:
+    """A health probe that timed out below the watchdog's limit: the child (or the whole
+    machine, on a loaded CI box) was slow for a moment and nothing was done about it. A
+    probe refused or answered wrong, or the limit reached, still fails the test."""
+    return (record["event"] == "instance.health_failed"
+            and str(record.get("problem", "")).startswith("no answer within")
+            and isinstance(record.get("failures"), int) and isinstance(record.get("limit"), int)
+            and record["failures"] < record["limit"])
 
 
 def gone(pid: int) -> bool:
