@@ -28,12 +28,14 @@ def process_listens(pid: int, port: int) -> bool:
         return False
 
 
-def held_by_stranger(pid: int, port: int) -> bool:
-    """Whether `port` is provably held by someone other than the child `pid`: neither the
-    child nor any of its descendants listens there, and a process that started before the
-    child does. A listener we cannot see the owner of (another user's, or a container's
-    proxy, which starts after the child that runs `docker run`) is given the benefit of the
-    doubt: the child's own bind failure still tells a lost race apart."""
+def held_by_stranger(pid: int, port: int, binds_itself: bool = False) -> bool:
+    """Whether `port` is someone else's than the child `pid`'s. The child or one of its
+    descendants listening there settles it: ours. Otherwise, for a server that binds its
+    port itself (`binds_itself`: llama-server, vLLM), whoever answered is a stranger. For a
+    command, only a listener owned by a process older than the child is provably one; a
+    listener whose owner we cannot see (another user's) or that started after the child (a
+    container's port proxy, which `docker run` starts) is given the benefit of the doubt:
+    the child's own bind failure still ends a lost race."""
     try:
         child = psutil.Process(pid)
         tree = [child, *child.children(recursive=True)]
@@ -42,15 +44,16 @@ def held_by_stranger(pid: int, port: int) -> bool:
         return True  # the child is gone: whoever answers is not it
     except psutil.Error:
         return False
+    if _tree_listens(tree, port, "tcp4"):
+        return False
+    # Both families from here on (rare: a probe answered that no IPv4 socket of ours holds):
+    # a command child may bind "::", which 127.0.0.1 reaches too.
+    if _tree_listens(tree, port, "tcp"):
+        return False
+    if binds_itself:
+        return True
     ours = {proc.pid for proc in tree}
-    for proc in tree:
-        try:
-            if _listens(proc, port):
-                return False
-        except psutil.Error:
-            continue
     try:
-        # Both families here: a command child may bind "::", which 127.0.0.1 reaches too.
         listeners = [c for c in psutil.net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
     except psutil.Error:
@@ -60,6 +63,16 @@ def held_by_stranger(pid: int, port: int) -> bool:
             continue
         try:
             if psutil.Process(connection.pid).create_time() < born:
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def _tree_listens(tree: list[psutil.Process], port: int, kind: str) -> bool:
+    for proc in tree:
+        try:
+            if _listens(proc, port, kind):
                 return True
         except psutil.Error:
             continue

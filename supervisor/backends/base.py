@@ -20,6 +20,10 @@ class Backend(Protocol):
     health_path: str
     # Ready only once /v1/models lists the model's name too (vLLM answers /health before).
     lists_models: bool
+    # The child (or a process it forks) is what listens on its port: a listener outside its
+    # process tree is someone else's (supervisor/listener.py). False for a command, which may
+    # be a `docker run` whose port a proxy outside the tree holds.
+    binds_itself: bool
     # What the child prints as it turns ready: a line containing one of these wakes the start's
     # readiness probe at once (supervisor.process.ChildProcess.wait_healthy); None: any output
     # does. Only a hint: the probe decides, and without the line it comes within POLL_S anyway.

@@ -26,6 +26,7 @@ class Command:
     # The spec's health_path decides (default /health; None: the port accepting connections).
     health_path = "/health"
     lists_models = False
+    binds_itself = False
     # Any server at all: whatever it prints may be its "listening" line.
     ready_lines: tuple[str, ...] | None = None
 

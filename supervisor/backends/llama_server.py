@@ -25,6 +25,7 @@ class LlamaServer:
     # 200 once the model is loaded; 503 {"error": "Loading model"} before that.
     health_path = "/health"
     lists_models = False
+    binds_itself = True
     # server.cpp sets its ready flag, then logs "model loaded" (then "listening on ...", and
     # older builds "all slots are idle" once the loop runs). "loading model" comes first and
     # matches neither.

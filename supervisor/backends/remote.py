@@ -17,6 +17,7 @@ class Remote:
     spawns = False
     health_path = "/health"  # unused: a remote is not probed (its requests tell its health)
     lists_models = False
+    binds_itself = False  # unused: nothing is started
     ready_lines: tuple[str, ...] | None = None  # unused: nothing is started
 
     def argv(self, spec: ModelSpec, port: int) -> list[str]:

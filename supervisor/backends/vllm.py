@@ -62,6 +62,7 @@ class Vllm:
     # /health answers 200 once the engine is up; /v1/models must list the served name too.
     health_path = "/health"
     lists_models = True
+    binds_itself = True  # its API server processes are the child or its children
     # uvicorn's line once the API server (engine up, routes mounted) accepts requests.
     ready_lines: tuple[str, ...] | None = ("Application startup complete",)
     # Its ZMQ sockets (API server, engine core, workers) go to $VLLM_RPC_BASE_PATH/<uuid4>, by

@@ -263,6 +263,7 @@ class Launch:
         path = health_path(self.spec, self._backend)
         health, lists_models = base + (path or ""), self._backend.lists_models
         session, model, log = self._session, self._model, self._log
+        binds_itself = self._backend.binds_itself
         warned = False
 
         async def answers(timeout: float) -> bool:
@@ -278,7 +279,8 @@ class Launch:
             if not await answers(timeout):
                 return False
             pid = process.pid
-            if pid is None or not await asyncio.to_thread(held_by_stranger, pid, port):
+            if pid is None or not await asyncio.to_thread(held_by_stranger, pid, port,
+                                                          binds_itself):
                 return True
             if not warned:
                 warned = True
