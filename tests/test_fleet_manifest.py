@@ -133,9 +133,21 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
     """A node that answers /v1/models with what its path's first part names (the test's URL is
     http://host:port/<kind>, which the manifest keeps as the node's base)."""
 
+    # The Authorization headers /elsewhere got (a redirect's target).
+    keys_elsewhere: list[str | None] = []
+
     def do_GET(self) -> None:
         kind = self.path.split("/")[1]
-        if kind == "deep":  # valid JSON nested deeper than Python's stack
+        if kind == "redirect":  # to another server's model list (here the same one's)
+            self.send_response(302)
+            self.send_header("Location", "/elsewhere/v1/models")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if kind == "elsewhere":
+            self.keys_elsewhere.append(self.headers.get("Authorization"))
+            body = json.dumps({"object": "list", "data": [{"id": "theirs"}]}).encode()
+        elif kind == "deep":  # valid JSON nested deeper than Python's stack
             body = b"[" * 200_000 + b"]" * 200_000
         else:  # "huge": a real model list, over 16 MiB
             body = json.dumps({"object": "list", "data": [
@@ -176,6 +188,24 @@ def test_a_hostile_node_is_left_out_and_crashes_nothing() -> None:
             assert done.returncode == 1, (kind, done.stderr)
             assert said in done.stderr and "Traceback" not in done.stderr, (kind, done.stderr)
             assert "no node answered" in done.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_node_that_redirects_is_left_out_and_its_key_goes_nowhere_else() -> None:
+    """A redirect is not followed: urllib would send the --api-key on to wherever it points,
+    and list that server's models as the node's, under the node's URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        done = fleet(f"{base}/redirect", "--api-key", "k-secret")
+        assert done.returncode == 1, done.stdout
+        assert "redirects (HTTP 302) to '/elsewhere/v1/models'" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and "theirs" not in done.stdout
+        assert _Hostile.keys_elsewhere == []
     finally:
         server.shutdown()
         server.server_close()

@@ -62,8 +62,18 @@ def _key(*names: str) -> Key:
     return Key(None, None)
 
 
+class _Unredirected(urllib.request.HTTPRedirectHandler):
+    """A 3xx is answered as it is (an HTTPError) rather than followed: urllib would send the
+    Authorization header on to wherever it points, another host included."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> None:
+        return None
+
+
 class Client:
-    def __init__(self, where: Target):
+    def __init__(self, where: Target, *, follow_redirects: bool = True):
+        """`follow_redirects=False`: a redirect is a CtlError that says where it points."""
         self.url, self.source = where.url, where.source
         # /admin takes the admin key; without one, the daemon's admin falls back to its API
         # keys. An admin key opens /v1 too.
@@ -72,7 +82,10 @@ class Client:
         host = urllib.parse.urlsplit(self.url).hostname or ""
         # A daemon on this machine is reached directly, whatever http_proxy says.
         proxies: dict[str, str] | None = {} if _loopback(host) else None
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler(proxies)]
+        if not follow_redirects:
+            handlers.append(_Unredirected())
+        self._opener = urllib.request.build_opener(*handlers)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -168,6 +181,8 @@ class Client:
             error = json.loads(exc.read()).get("error")
         except (ValueError, AttributeError, OSError, http.client.HTTPException):
             error = None
+        if 300 <= exc.code < 400:
+            return self._redirected(exc, path)
         if not isinstance(error, dict):
             return CtlError(f"{self.url}{path} answered HTTP {exc.code} {exc.reason}, not "
                             f"corral's error shape: is {self.url} a corral?")
@@ -177,6 +192,11 @@ class Client:
         if exc.code == 404 and error.get("code") == "model_not_found" and model is not None:
             return CtlError(self._no_such_model(model), Exit.NO_MODEL)
         return CtlError(f"{message} (HTTP {exc.code})")
+
+    def _redirected(self, exc: urllib.error.HTTPError, path: str) -> CtlError:
+        where = str(exc.headers.get("Location", ""))[:200]
+        return CtlError(f"{self.url}{path} redirects (HTTP {exc.code}) to {where!r}, which "
+                        "is not followed: give the URL of the corral itself")
 
     def _key_advice(self, status: int, path: str, key: Key, message: str) -> str:
         admin = path.startswith("/admin")

@@ -67,7 +67,9 @@ def render(nodes: Sequence[Node]) -> str:
 
 def read_node(url: str, api_key: str | None) -> Node:
     """The ids of the node's /v1/models (models, and groups served as models)."""
-    client = Client(Target(target(url).url, "a node of the fleet"))
+    # A redirect is not followed: the key would go along, and the models of whatever it
+    # points at would be listed as this node's, under this URL.
+    client = Client(Target(target(url).url, "a node of the fleet"), follow_redirects=False)
     if api_key:
         client.api_key = Key(api_key, "--api-key")
     try:
