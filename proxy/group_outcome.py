@@ -29,9 +29,11 @@ class MemberResult:
     input: str | None = None  # chain steps: the user message's text this step was given
     images: int | None = None  # image parts this member was sent (None: the request had none)
     # What else the answer said, for a group answering as this member: its tool calls (chat
-    # shape) and why it ended (stop | length | tool_calls).
+    # shape) and why it ended (stop | length | tool_calls), with the stop string it ended on
+    # where the member said which.
     tool_calls: list[dict[str, Any]] | None = None
     finish: str | None = None
+    stop_sequence: str | None = None
     finished_at: float = field(default=0.0, repr=False)
 
     @property

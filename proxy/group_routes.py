@@ -157,10 +157,16 @@ GROUP_FAMILIES = {"/v1/chat/completions": "chat", "/v1/responses": "responses",
                   "/v1/messages": "messages"}
 
 
-def final_answer(outcome: GroupOutcome, finish: str | None = None) -> Answer:
+# How a synthesis ended: its finish reason (stop, length) and the stop string it ended on,
+# where the synthesizer said which.
+End = tuple[str | None, str | None]
+
+
+def final_answer(outcome: GroupOutcome, synthesis: End | None = None) -> Answer:
     """What the group answers: its text, and the tool calls and end of the member whose
-    answer it is (a chain's last step, a fan-out's selected member). A parallel group's
-    joined answers and a consensus synthesis carry no tool calls."""
+    answer it is (a chain's last step, a fan-out's selected member; a consensus, its
+    synthesizer's). A parallel group's joined answers and a consensus synthesis carry no
+    tool calls, and end `stop`."""
     group = outcome.group
     source = None
     if group.type == "chain":
@@ -169,8 +175,10 @@ def final_answer(outcome: GroupOutcome, finish: str | None = None) -> Answer:
     elif group.type == "fan_out" and outcome.selected is not None:
         source = outcome.responses[outcome.selected.index]
     calls = list(source.tool_calls or []) if source is not None else []
-    end = "tool_calls" if calls else finish or (source.finish if source else None) or "stop"
-    return Answer(outcome.answer(), calls, end, outcome.usage())
+    finish, stop = synthesis or ((source.finish, source.stop_sequence) if source else (None, None))
+    end = "tool_calls" if calls else finish or "stop"
+    return Answer(outcome.answer(), calls, end, outcome.usage(),
+                  stop if end == "stop" else None)
 
 
 async def group_as_model(request: web.Request, runner: GroupRunner, group: GroupSpec,
@@ -196,12 +204,13 @@ async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
                   body: dict[str, Any], family: str, record: RequestRecord,
                   known: list[GroupOutcome]) -> web.StreamResponse:
     writer = writer_for(family, group.name)
-    synthesis_end: list[str | None] = []
+    synthesis_end: list[End] = []
     if not body.get("stream"):
         async def synthesize(outcome: GroupOutcome) -> None:
             known.append(outcome)
             # As the runner would, keeping how the synthesis ended (a cut one says so).
-            synthesis_end.append((await runner.synthesize(outcome.group, body, outcome)).finish)
+            result = await runner.synthesize(outcome.group, body, outcome)
+            synthesis_end.append((result.finish, result.stop_sequence))
 
         try:
             outcome = await runner.run(group, body, final_step=synthesize)
@@ -267,9 +276,9 @@ class _Opening:
 
 
 async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
-                            outcome: GroupOutcome) -> str | None:
+                            outcome: GroupOutcome) -> End:
     """Relay the synthesizer's own token stream, in the client's family, as it is written;
-    how it ended (stop, length). A synthesizer that speaks another family (`api:`) is asked
+    how it ended (stop, length; the stop string where it says). A synthesizer that speaks another family (`api:`) is asked
     whole, and its answer written at once."""
     group = outcome.group
     model = group.synthesizer
@@ -281,6 +290,7 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
     payload["stream_options"] = {"include_usage": True}
     text: list[str] = []
     finish: str | None = None
+    stop: str | None = None
     try:
         # member_timeout bounds the wait for its first byte (its start included), not the
         # answer, which streams to the client as long as it streams.
@@ -296,8 +306,8 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
                 out, writer = opened.out, opened.writer
                 async with contextlib.aclosing(_events(upstream, model)) as events:
                     async for event in events:
-                        delta, end = _read_chunk(event, outcome, model)
-                        finish = end or finish
+                        delta, end, said = _read_chunk(event, outcome, model)
+                        finish, stop = end or finish, said or stop
                         text.append(delta)
                         await out.write(writer.text(delta))
             except BaseException:
@@ -308,15 +318,15 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
         raise GroupFailed(f"group {group.name!r}: synthesizer {model} failed: "
                           f"{exc or type(exc).__name__}", outcome) from exc
     outcome.final = "".join(text)
-    return finish
+    return finish, stop
 
 
 async def _whole_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
-                           outcome: GroupOutcome) -> str | None:
+                           outcome: GroupOutcome) -> End:
     result = await runner.synthesize(outcome.group, body, outcome)
     await opened.begin(outcome)
     await opened.out.write(opened.writer.text(result.content or ""))
-    return result.finish
+    return result.finish, result.stop_sequence
 
 
 async def _expect_ok(upstream: ChildResponse, model: str) -> None:
@@ -356,14 +366,15 @@ async def _events(upstream: ChildResponse, model: str) -> AsyncGenerator[dict[st
 
 
 def _read_chunk(event: dict[str, Any], outcome: GroupOutcome,
-                model: str) -> tuple[str, str | None]:
-    """One synthesizer chunk: its text and finish reason; its usage is the group's. A chunk
+                model: str) -> tuple[str, str | None, str | None]:
+    """One synthesizer chunk: its text, finish reason and stop string (where said); its
+    usage is the group's. A chunk
     of the wrong shape (usage strings, a delta that is no object) is the synthesizer's
     failure, never read on into the group's answer."""
     try:
-        delta, finish, usage = translate.stream_chunk(event)
+        delta, finish, usage, stop = translate.stream_chunk(event)
     except translate.NotAnAnswer as exc:
         raise UpstreamFailed(f"{model} streamed a chunk that is no chat chunk: {exc}") from exc
     if usage:
         outcome.extra_usage.append(usage)
-    return delta, finish
+    return delta, finish, stop

@@ -112,7 +112,8 @@ class GroupRunner:
         except (KeyError, IndexError, TypeError, AttributeError):
             return result("error", error=f"{model} answered without a message: {str(data)[:200]}")
         return result("ok", content=answer.text, usage=answer.usage,
-                      tool_calls=answer.tool_calls or None, finish=answer.finish)
+                      tool_calls=answer.tool_calls or None, finish=answer.finish,
+                      stop_sequence=answer.stop_sequence)
 
     async def member(self, group: GroupSpec, model: str, body: dict[str, Any],
                      held: Reservation | None = None) -> MemberResult:

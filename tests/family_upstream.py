@@ -7,7 +7,10 @@ stream stops after two chunks with the connection cut. A request whose text says
 `hostile:NAME` gets the hostile answer NAME in the path's family instead (HOSTILE: wrong
 shapes, a giant or endless answer, an event stream where JSON was asked, corral-looking
 events in its text); STREAMED names do it in a streamed chat answer (a synthesizer's), and
-answer normally when asked whole. Standard library only."""
+answer normally when asked whole. A request with stop strings (chat's `stop`, Messages'
+`stop_sequences`) is answered as one that ended on the first: chat says it in the choice's
+`stop_reason` (vLLM's field), Messages as `stop_reason: stop_sequence`, streamed or whole.
+Standard library only."""
 
 import argparse
 import json
@@ -32,6 +35,13 @@ def tool_name(body: dict) -> str | None:
     return (tool.get("function") or tool).get("name")
 
 
+def first_stop(body: dict) -> str | None:
+    """The stop string the answer ends on: the request's first, if it gave any."""
+    stops = body.get("stop") or body.get("stop_sequences") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    return stops[0] if stops else None
+
+
 def chat(body: dict) -> dict:
     name = tool_name(body)
     message = {"role": "assistant", "content": "fake answer"}
@@ -41,7 +51,8 @@ def chat(body: dict) -> dict:
             "function": {"name": name, "arguments": json.dumps(ARGS)}}]}
     return {"id": "fake", "object": "chat.completion", "model": body.get("model"),
             "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if name else "stop"}],
+                         "finish_reason": "tool_calls" if name else "stop",
+                         "stop_reason": None if name else first_stop(body)}],
             "usage": {"prompt_tokens": USAGE[0], "completion_tokens": USAGE[1],
                       "total_tokens": sum(USAGE)}}
 
@@ -64,7 +75,8 @@ def messages(body: dict) -> dict:
         else {"type": "text", "text": "fake answer"}
     return {"id": "msg_fake", "type": "message", "role": "assistant",
             "model": body.get("model"), "content": [block],
-            "stop_reason": "tool_use" if name else "end_turn", "stop_sequence": None,
+            "stop_reason": "tool_use" if name else "stop_sequence" if first_stop(body)
+            else "end_turn", "stop_sequence": None if name else first_stop(body),
             "usage": {"input_tokens": USAGE[0], "output_tokens": USAGE[1]}}
 
 
@@ -160,7 +172,8 @@ def stream(conn: socket.socket, body: dict, broken: bool, hostile: str | None = 
         conn.shutdown(socket.SHUT_RDWR)  # cut mid-answer, as a killed server would
         return
     send({"id": "fake", "object": "chat.completion.chunk", "model": body.get("model"),
-          "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+          "choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                       "stop_reason": first_stop(body)}],
           "usage": {"prompt_tokens": USAGE[0], "completion_tokens": 2,
                     "total_tokens": USAGE[0] + 2}})
     conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")

@@ -86,6 +86,8 @@ def corral(start_corral_module, tiny_models, logs: Path) -> Corral:
                      "selector": "longest", **exposed},
         "broken": {"type": "consensus", "models": ["tiny-a"], "synthesizer": "breaker",
                    **exposed},
+        "fake-council": {"type": "consensus", "models": ["tools-chat"],
+                         "synthesizer": "tools-chat", **exposed},
     }
     return start_corral_module(config)
 
@@ -200,6 +202,26 @@ def test_a_tool_call_comes_back_as_each_familys_own(corral: Corral) -> None:
     assert chat.choices[0].message.tool_calls[0].function.name == "weather"
 
 
+@pytest.mark.parametrize("group", ["tooly", "tool-chain", "fake-council"])
+def test_a_stop_string_ends_as_messages_says_it(corral: Corral, group: str) -> None:
+    """An answer that ended on one of the request's stop strings is Messages'
+    `stop_reason: stop_sequence` naming it, whole and streamed, where the answering member
+    said which: a chat member's `stop_reason` (vLLM's; tooly's fan-out), a Messages member's
+    `stop_sequence` (tool-chain's last step), a consensus synthesizer's stream's."""
+    request: dict[str, Any] = {
+        "model": group, "max_tokens": MAX, "stop_sequences": ["END", "FIN"],
+        "messages": [{"role": "user", "content": "hi"}]}
+    whole = an(corral).messages.create(**request)
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "END"), whole
+    with an(corral).messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END"), final
+    # Without stop strings: an end of turn, no stop_sequence.
+    plain = an(corral).messages.create(model=group, max_tokens=MAX,
+                                       messages=request["messages"])
+    assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None), plain
+
+
 def test_a_conversation_with_tool_results_reaches_a_messages_member(corral: Corral,
                                                                      logs: Path) -> None:
     """A chain's last step speaks only Messages: the client's Responses conversation (a call
@@ -222,6 +244,26 @@ def test_a_conversation_with_tool_results_reaches_a_messages_member(corral: Corr
                                       "content": "sunny"}
     assert body["body"]["tools"][0]["input_schema"] == TOOL["parameters"]
     assert body["body"]["max_tokens"] == MAX
+
+
+def test_a_failed_tools_result_reaches_the_member_marked(corral: Corral, logs: Path) -> None:
+    """Messages' `is_error: true` on a tool_result (the tool failed: its content is the
+    error) has no chat field: the member's tool message says it in its content."""
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+             "content": [{"type": "text", "text": "service unavailable"}]},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": False,
+             "content": "sunny"},
+            {"type": "tool_result", "tool_use_id": "toolu_3"}]}]
+    an(corral).messages.create(model="tooly", max_tokens=MAX, messages=turns)
+    tool_turns = [m for m in sent(logs / "chat.jsonl")[-1]["body"]["messages"]
+                  if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in tool_turns] == [
+        ("toolu_1", "Error: service unavailable"), ("toolu_2", "sunny"), ("toolu_3", "")]
 
 
 def test_members_that_speak_responses_or_messages_are_asked_in_it(corral: Corral,

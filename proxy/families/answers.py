@@ -22,6 +22,9 @@ class Answer:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat `tool_calls`
     finish: str = "stop"  # stop | length | tool_calls
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    # The stop string that ended it (finish "stop"), where the member said which: Messages'
+    # `stop_sequence`, vLLM's chat `stop_reason`. llama-server's chat answer does not say.
+    stop_sequence: str | None = None
 
 
 class NotAnAnswer(TypeError):
@@ -136,15 +139,24 @@ def _from_chat(data: dict[str, Any]) -> Answer:
              if _object(c, "tool call")]
     finish = choice.get("finish_reason") or "stop"
     usage = _usage(data)
-    return Answer(text, calls,
-                  "tool_calls" if calls else finish if finish in ("stop", "length") else "stop",
+    end = "tool_calls" if calls else finish if finish in ("stop", "length") else "stop"
+    return Answer(text, calls, end,
                   chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
-                  if usage else None)
+                  if usage else None, chat_stop_string(choice, end))
 
 
-def stream_chunk(event: Any) -> tuple[str, str | None, dict[str, int] | None]:
+def chat_stop_string(choice: dict[str, Any], finish: str | None) -> str | None:
+    """The stop string a chat choice ended on, where the server says it: vLLM's
+    `stop_reason` (a string when one of the request's `stop` strings matched, a token id or
+    null otherwise). OpenAI and llama-server do not say."""
+    reason = choice.get("stop_reason")
+    return reason if finish == "stop" and isinstance(reason, str) and reason else None
+
+
+def stream_chunk(event: Any) -> tuple[str, str | None, dict[str, int] | None, str | None]:
     """One chunk of a member's streamed chat answer (a synthesizer's): its text, its finish
-    reason and its usage, each of its type; NotAnAnswer when it is no chat chunk."""
+    reason, its usage and the stop string it ended on (where said), each of its type;
+    NotAnAnswer when it is no chat chunk."""
     chunk = _object(event, "chunk")
     usage = chunk.get("usage")
     counts = None
@@ -153,11 +165,12 @@ def stream_chunk(event: Any) -> tuple[str, str | None, dict[str, int] | None]:
         counts = chat_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
     choices = _list(chunk.get("choices") or [], "chunk's choices")
     if not choices:
-        return "", None, counts
+        return "", None, counts, None
     choice = _object(choices[0], "chunk's choice")
     delta = _object(choice.get("delta") or {}, "chunk's delta")
     finish = _string(choice.get("finish_reason"), "finish_reason") or None
-    return _string(delta.get("content"), "chunk's content"), finish, counts
+    return (_string(delta.get("content"), "chunk's content"), finish, counts,
+            chat_stop_string(choice, finish))
 
 
 def _from_responses(data: dict[str, Any]) -> Answer:
@@ -195,6 +208,8 @@ def _from_messages(data: dict[str, Any]) -> Answer:
     stop = data.get("stop_reason")
     prompt = sum(_count(usage.get(k), k) for k in (
         "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+    sequence = data.get("stop_sequence") if stop == "stop_sequence" else None
     return Answer("".join(text), calls,
                   "tool_calls" if calls else "length" if stop == "max_tokens" else "stop",
-                  chat_usage(prompt, usage.get("output_tokens")))
+                  chat_usage(prompt, usage.get("output_tokens")),
+                  None if calls else _string(sequence, "stop_sequence") or None)

@@ -203,6 +203,15 @@ class MessagesWriter(FamilyWriter):
     def _event(kind: str, **payload: Any) -> bytes:
         return sse.typed(kind, {"type": kind, **payload})
 
+    @classmethod
+    def _end(cls, answer: Answer) -> dict[str, Any]:
+        """`stop_reason` and `stop_sequence`, as Anthropic says them: an answer that ended on
+        one of the request's stop strings is `stop_sequence`, naming it (where the member
+        said which: otherwise it is told from an end of turn no better than `end_turn`)."""
+        if answer.finish == "stop" and answer.stop_sequence is not None:
+            return {"stop_reason": "stop_sequence", "stop_sequence": answer.stop_sequence}
+        return {"stop_reason": cls._STOP.get(answer.finish, "end_turn"), "stop_sequence": None}
+
     @staticmethod
     def _tool_use(n: int, call: dict[str, Any]) -> dict[str, Any]:
         function = call.get("function") or {}
@@ -216,8 +225,7 @@ class MessagesWriter(FamilyWriter):
             if answer.text or not answer.tool_calls else []
         content += [self._tool_use(n, call) for n, call in enumerate(answer.tool_calls)]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": self._STOP.get(answer.finish, "end_turn"),
-                "stop_sequence": None,
+                "content": content, **self._end(answer),
                 "usage": {"input_tokens": tokens_in, "output_tokens": tokens_out},
                 "corral_group": details}
 
@@ -250,8 +258,7 @@ class MessagesWriter(FamilyWriter):
         tokens_in, tokens_out = _tokens(answer)
         return (out + self._event(
             "message_delta",
-            delta={"stop_reason": self._STOP.get(answer.finish, "end_turn"),
-                   "stop_sequence": None},
+            delta=self._end(answer),
             usage={"input_tokens": tokens_in, "output_tokens": tokens_out},
             corral_group=details)
             + self._event("message_stop"))

@@ -239,7 +239,7 @@ def _message_turn(turn: Any, messages: list[dict[str, Any]], where: str) -> None
                           f"{where}.content")
             # A tool's result is a turn of its own in chat, before the user's own words.
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                             "content": _resultpart_text(block.get("content"))})
+                             "content": _tool_result(block)})
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
@@ -267,9 +267,22 @@ def _message_image(source: Any, where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+# What a failed tool's result begins with in chat, which has no flag for it: Messages'
+# `is_error: true` says the tool failed and its content is the error, and a model must be
+# able to tell that from a result (llama.cpp's and LiteLLM's own conversions drop the flag).
+TOOL_ERROR = "Error: "
+
+
+def _tool_result(block: dict[str, Any]) -> str:
+    text = _resultpart_text(block.get("content"))
+    return TOOL_ERROR + text if block.get("is_error") is True else text
+
+
 def _resultpart_text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(part_text(b) for b in content)
+    if content is None:  # a result with no content (the API allows it): no "null" text
+        return ""
     return content if isinstance(content, str) else json.dumps(content)
 
 
