@@ -160,6 +160,8 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                     record.answer = payload  # its usage is read once it is sent (finish)
             if lease.served_name is not None:
                 payload = rename_answer(payload, lease.served_name, lease.model, wire)
+            if upstream.status == 200:  # what the family's type requires and the child left out
+                payload = wire.whole(payload, lease.model)
             if started is not None:
                 response = await _end_with_answer(started, upstream.status, payload, model,
                                                   wire)
@@ -207,7 +209,7 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
         if lease.served_name is not None else None
     # A Responses stream without its events' indexes (llama-server's) gets them; one that
     # has them is known by its first event, and then relayed as it comes.
-    numbering = wire.numbering()
+    numbering = wire.numbering(lease.model)
     # The stream's first event, read from its first chunks only (Messages' input tokens, the
     # Responses id its failure must name).
     head = wire.head()

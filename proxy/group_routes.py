@@ -278,8 +278,8 @@ class _Opening:
 async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str, Any],
                             outcome: GroupOutcome) -> End:
     """Relay the synthesizer's own token stream, in the client's family, as it is written;
-    how it ended (stop, length; the stop string where it says). A synthesizer that speaks another family (`api:`) is asked
-    whole, and its answer written at once."""
+    how it ended (stop, length; the stop string where it says). A synthesizer that speaks
+    another family (`api:`) is asked whole, and its answer written at once."""
     group = outcome.group
     model = group.synthesizer
     assert model

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from openai.types.responses import Response
 from responses_upstream import ARGS, TEXT, USAGE, stream_bytes
 
 from corral.proxy.families.numbering import _ITEMS_LIMIT, EventNumbering
@@ -82,6 +83,46 @@ def test_a_function_call_streamed_without_indexes_reaches_the_helper(corral: Cor
     assert [(e.get("output_index"), e.get("content_index")) for e in data] == [
         (None, None), (None, None), (0, None), (0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, None),
         (1, None), (1, None), (1, None), (1, None), (None, None)]
+
+
+LIFECYCLE = ("response.created", "response.in_progress", "response.completed",
+             "response.failed", "response.incomplete")
+
+
+def lifecycle_responses(corral: Corral, body: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Each lifecycle event's type and its response, validated strictly against the SDK's
+    Response type (every required field), in the stream's order."""
+    with corral.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+        events = [json.loads(line[5:]) for line in stream.iter_lines()
+                  if line.startswith("data:")]
+    return [(e["type"], Response.model_validate(e["response"])) for e in events
+            if e["type"] in LIFECYCLE]
+
+
+@pytest.mark.parametrize("model", ["tiny", "bare"])
+def test_every_response_object_validates_against_the_sdks_type(corral: Corral,
+                                                                model: str) -> None:
+    """llama-server's `response.created`/`in_progress` say only id, object and status, and
+    none of its responses the tool settings or the usage's details: corral fills in what
+    OpenAI's Response type requires, in every lifecycle event and the whole answer, under
+    the name corral serves (a served_name's too), one created_at throughout."""
+    body: dict[str, Any] = {"model": model, "input": "hi", "max_output_tokens": 8,
+                            "ignore_eos": True}
+    if model == "bare":  # the stand-in of llama-server's stream, with a function call
+        body = {"model": model, "input": "hi", "tools": TOOLS}
+    seen = lifecycle_responses(corral, body)
+    kinds = [kind for kind, _ in seen]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] == "response.completed", kinds
+    first, last = seen[0][1], seen[-1][1]
+    assert first.output == [] and last.output, seen
+    assert {r.model for _, r in seen} == {model}
+    assert {r.id for _, r in seen} == {first.id} and {r.created_at for _, r in seen} == {
+        first.created_at}
+    assert last.usage is not None and last.usage.output_tokens > 0
+    if model == "tiny":  # (the stand-in only streams)
+        whole = Response.model_validate(corral.http.post("/v1/responses", json=body).json())
+        assert whole.model == model and whole.output and whole.usage is not None
 
 
 def test_a_stream_that_numbers_its_own_events_passes_byte_for_byte(corral: Corral) -> None:

@@ -8,7 +8,8 @@ llama-server's `/v1/responses` stream leaves all three out, and `logprobs` of it
 through corral they are filled in, counted the way OpenAI counts them (items in the order they
 were added, a part's index within its item). A stream whose first event already carries a
 `sequence_number` (vLLM's, transformers', OpenAI's own) numbers its own events and passes
-through untouched, byte for byte.
+through untouched, byte for byte. The `response` object of its lifecycle events gets the
+fields OpenAI's `Response` requires that llama-server leaves out (lifecycle.py).
 
 The missing numbers are appended at each event's end (its own bytes are kept); an event is
 parsed only where it may move them (a delta like the one before it, and an event of no item,
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
+from corral.proxy.families.lifecycle import LIFECYCLE, complete_response
 from corral.proxy.sse import Lines
+from corral.supervisor.json_bytes import compact
 
 __all__ = ["EventNumbering"]
 
@@ -58,10 +62,10 @@ class EventNumbering:
     chunk goes out as it came). Chunks split events anywhere: whole lines go out, the last
     partial line waits for the next chunk."""
 
-    __slots__ = ("_items", "_last", "_last_numbers", "_lines", "_next_output", "_sequence",
-                 "decided", "passing")
+    __slots__ = ("_created", "_filled", "_items", "_last", "_last_numbers", "_lines", "_model",
+                 "_next_output", "_sequence", "decided", "passing")
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
         self._lines = Lines()  # a line with no end past its limit goes out as it is
         self.decided = False  # the first event was read
         self.passing = False  # the stream numbers its own events
@@ -72,6 +76,13 @@ class EventNumbering:
         # The last delta's (kind, item id), and the numbers it got after its sequence_number.
         self._last: tuple[bytes, bytes] | None = None
         self._last_numbers = b""
+        # What a lifecycle event's response lacks is filled in with the model corral serves,
+        # and the time the response was created (the child's own, once it says one).
+        self._model = model
+        self._created: int | None = None
+        # The last lifecycle event as it came, and completed (without its sequence_number):
+        # llama-server repeats the same one before each delta of some models.
+        self._filled: tuple[bytes, bytes] = (b"", b"")
 
     def feed(self, chunk: bytes) -> bytes:
         if self.passing:
@@ -119,6 +130,8 @@ class EventNumbering:
         # response.in_progress before each delta of some models; its last event holds the
         # whole answer) takes a sequence_number alone, unparsed too.
         if self.decided and b'"item' not in body and body.startswith(b'{"') and _bare(body):
+            if b'"response"' in body:  # a lifecycle event (its key: no event type is it)
+                body = self._completed(body)
             self._sequence += 1
             return (b"data: " + body[:-1] + b',"sequence_number":%d}' % (self._sequence - 1)
                     + ending)
@@ -133,6 +146,9 @@ class EventNumbering:
             if "sequence_number" in event:
                 self.passing = True
                 return line
+        # (Its response's own output may hold logprobs: the event's own keys decide.)
+        if event.get("type") in LIFECYCLE and "sequence_number" not in event:
+            body = self._completed(body)
         added = self._numbers(event)
         if delta is not None and delta.group(1) in _DELTAS and _bare(body):
             self._last = (delta[1], delta[2])
@@ -143,6 +159,31 @@ class EventNumbering:
             return line
         head = body[:-1] + b"," if event else b"{"
         return b"data: " + head + added[1:] + b"}" + ending
+
+    def _completed(self, body: bytes) -> bytes:
+        """A lifecycle event's JSON (an object without its numbers) with its response's
+        missing fields filled in; the event as it came when it lacks none, or is another."""
+        if body == self._filled[0]:
+            return self._filled[1]
+        try:
+            event = json.loads(body)
+        except (ValueError, RecursionError):  # a hostile upstream nests deep
+            return body
+        if not isinstance(event, dict) or event.get("type") not in LIFECYCLE \
+                or not isinstance(event.get("response"), dict):
+            return body
+        response = event["response"]
+        own = response.get("created_at")
+        if self._created is None:
+            self._created = own if type(own) is int else int(time.time())
+        # One response, created once: llama-server's last event says when it ended instead.
+        moved = own is not None and own != self._created
+        if moved:
+            response["created_at"] = self._created
+        filled = complete_response(response, self._model, self._created)
+        done = compact(event) if filled or moved else body
+        self._filled = (body, done)
+        return done
 
     def _numbers(self, event: dict[str, Any]) -> bytes:
         """What `event` lacks, as `,"key":value` pairs."""

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from corral.proxy import request_id
+from corral.proxy.families.lifecycle import complete_answer
 from corral.proxy.families.numbering import EventNumbering
 from corral.proxy.sse import DONE, error_event, typed
 
@@ -64,10 +65,15 @@ class Wire:
         """What goes out before a stream's first event, when the child left it out."""
         return b""
 
-    def numbering(self) -> EventNumbering | None:
+    def numbering(self, model: str = "") -> EventNumbering | None:
         """What fills in the numbers a stream's events lack (Responses' indexes), if this
-        family's events carry any."""
+        family's events carry any; `model`: the name a response that names none gets."""
         return None
+
+    def whole(self, payload: bytes, model: str) -> bytes:
+        """A child's whole (200) answer, with what this family's type requires and the child
+        left out filled in (a Responses `response`'s fields: lifecycle.py)."""
+        return payload
 
     def usage(self, data: dict[str, Any]) -> Tokens:
         """The tokens an answer or a stream event reports, (None, None) when it has none."""
@@ -173,8 +179,11 @@ class ResponsesWire(Wire):
     nested = ("response",)
     reads_head = True  # the response's id, for the `response.failed` that may end it
 
-    def numbering(self) -> EventNumbering | None:
-        return EventNumbering()
+    def numbering(self, model: str = "") -> EventNumbering | None:
+        return EventNumbering(model)
+
+    def whole(self, payload: bytes, model: str) -> bytes:
+        return complete_answer(payload, model, int(time.time()))
 
     def usage(self, data: dict[str, Any]) -> Tokens:
         usage = _dict(data.get("usage"))
@@ -203,8 +212,9 @@ class ResponsesWire(Wire):
             or f"resp_corral_{request_id.current() or int(time.time())}"
         failed = {"type": "response.failed", "response": {
             "id": response_id, "object": "response", "created_at": int(time.time()),
-            "status": "failed", "model": model, "usage": None,
-            "error": {"code": "server_error", "message": text}, "incomplete_details": None}}
+            "status": "failed", "model": model, "output": [], "usage": None,
+            "error": {"code": "server_error", "message": text}, "incomplete_details": None,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}}
         error = {"type": "error", "code": code, "message": text, "param": None,
                  "error": {"message": text, "type": "server_error", "code": code,
                            "param": None}}
