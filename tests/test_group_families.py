@@ -419,3 +419,15 @@ def test_group_requests_the_translation_refuses(corral: Corral) -> None:
     assert no_messages.status_code == 400
     other_path = corral.http.post("/v1/completions", json={"model": "par", "prompt": "x"})
     assert other_path.json()["error"]["code"] == "group_endpoint"
+
+
+def test_ids_are_new_per_request_and_usage_is_the_groups(corral: Corral) -> None:
+    """Each answer has its own `resp_…`/`msg_…` id, and the group's summed usage (one member
+    here: its 7 in, 3 out), in both families."""
+    answers = [oa(corral).responses.create(model="tooly", input="hi") for _ in range(2)]
+    assert len({a.id for a in answers}) == 2 and all(a.id.startswith("resp_") for a in answers)
+    assert [(a.usage.input_tokens, a.usage.output_tokens) for a in answers] == [(7, 3)] * 2
+    messages = [an(corral).messages.create(model="tooly", max_tokens=MAX, messages=[
+        {"role": "user", "content": "hi"}]) for _ in range(2)]
+    assert len({m.id for m in messages}) == 2 and all(m.id.startswith("msg_") for m in messages)
+    assert [(m.usage.input_tokens, m.usage.output_tokens) for m in messages] == [(7, 3)] * 2
