@@ -424,8 +424,7 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
                loader: Callable[[], LoadedConfig], watch: bool) -> int:
     import faulthandler
 
-    from aiohttp import web
-
+    from corral.proxy import listener
     from corral.proxy.app import create_app
     from corral.supervisor.config.watch import watch_config, watch_models_dir
     from corral.supervisor.daemon import Daemon
@@ -450,10 +449,11 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
         # The drain is the daemon's (Daemon.close, within the shutdown budget): what is still
         # open once the children are gone gets HANDLERS_S, then is cancelled.
-        runner = web.AppRunner(create_app(daemon, host), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=HANDLERS_S)
+        runner = listener.runner(create_app(daemon, host), handler_cancellation=True,
+                                 access_log=None, shutdown_timeout=HANDLERS_S)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        # Not web.TCPSite: the listener caps client connections (proxy/listener.py).
+        site = listener.Listener(runner, host, port)
         try:
             await site.start()
         except OSError as exc:

@@ -1,0 +1,137 @@
+"""corral's listening socket: how aiohttp's server is set up against clients that hold on.
+
+Every client connection takes a file descriptor, and so do corral's connections to its
+children, the watchdog's /health probes, the children's pipes and every file the daemon
+writes. Without a bound, one client that opens connections and sends nothing (or a head a byte
+at a time) takes them all: at RLIMIT_NOFILE the watchdog's probes fail with EMFILE and every
+child is killed as unresponsive, the memory loop fails, and no client is served. So:
+
+- client connections are capped below the descriptor limit (`connection_limit`): a reserve
+  stays for the daemon's own work. A connection accepted at the cap is cut at once (the
+  client sees a reset and may retry), and the oldest connections are asked to close (after
+  the request each may have in flight), so that idle keep-alive connections make room;
+- a connection that sends no request (or no whole head) within `IDLE_S` of its accept or of
+  its last answer is closed (aiohttp's keep-alive timer, which also runs before the first
+  request; aiohttp's own default, without web.run_app, is an hour);
+- a malformed request head (two Content-Lengths, Content-Length with Transfer-Encoding, a
+  header too long, too many headers, a control byte in a value) gets aiohttp's 400 and the
+  connection closed, as HTTP demands, with one debug line: anyone can send those, and aiohttp
+  logs each with a traceback at ERROR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+import structlog
+from aiohttp import http_exceptions, web
+
+log = structlog.get_logger("corral.proxy")
+
+# How long a connection may sit without a whole request head: between requests, and before
+# the first. nginx's keepalive_timeout and client_header_timeout are 75 s and 60 s.
+IDLE_S = 75.0
+# Descriptors kept for the daemon itself at the cap: its children (a pipe or two each, the
+# relay's and the watchdog's connections), the state and cache files, the config watchers.
+_RESERVE_MIN = 128
+# Asked to close per connection refused at the cap: idle ones go at once, busy ones after
+# their answer.
+_EVICT = 4
+
+
+def connection_limit(soft: int | None = None) -> int:
+    """Client connections served at once: below the process's descriptor limit, with a
+    reserve of a quarter of it (at least _RESERVE_MIN) for the daemon's own descriptors."""
+    if soft is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, soft - max(_RESERVE_MIN, soft // 4))
+
+
+class _QuietParseErrors(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger, with a client's malformed request (a 4xx it answers below the
+    app) at debug without its traceback; anything else as aiohttp logs it."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if not _malformed(exc_info):
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+    def debug(self, msg: object, *args: object, **kwargs: Any) -> None:
+        if not _malformed(kwargs.get("exc_info")):  # a first request not HTTP (TLS, a scan)
+            super().debug(msg, *args, **kwargs)
+
+
+def _malformed(exc: object) -> bool:
+    """Whether `exc` is a client's malformed request, logged here as one line if so."""
+    if not isinstance(exc, http_exceptions.HttpProcessingError) \
+            or not 400 <= (exc.code or 400) < 500:
+        return False
+    log.debug("proxy.bad_http", error=type(exc).__name__, reason=str(exc.message)[:200])
+    return True
+
+
+def runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The app's runner with corral's settings for client connections."""
+    return web.AppRunner(app, keepalive_timeout=IDLE_S,
+                         logger=_QuietParseErrors(logging.getLogger("aiohttp.server"), {}),
+                         **kwargs)
+
+
+class Listener:
+    """Serves `app_runner`'s app on host:port with at most `limit` client connections (the
+    rest cut at once; None: connection_limit() at each accept, so a descriptor limit raised
+    while corral runs, with prlimit, applies). A site of its own rather than web.TCPSite: the
+    cap needs the accept, and aiohttp offers no hook there."""
+
+    def __init__(self, app_runner: web.AppRunner, host: str, port: int,
+                 limit: int | None = None) -> None:
+        self._runner = app_runner
+        self._host = host
+        self._port = port
+        self.limit = limit
+        self._server: asyncio.Server | None = None
+        self.refused = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, self._host, self._port,
+                                                reuse_address=True)
+
+    async def stop(self) -> None:
+        """No new connections; open ones stay, for the runner's shutdown."""
+        if self._server is not None:
+            self._server.close()
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        assert server is not None, "the runner is set up before the listener starts"
+        connections = server.connections  # oldest first
+        limit = connection_limit() if self.limit is None else self.limit
+        if len(connections) < limit:
+            return server()
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("proxy.connections_full", limit=limit, refused=self.refused,
+                        note="client connections at the cap: new ones are cut, the oldest "
+                             "asked to close")
+        # A window that moves on with each refusal: the oldest may be busy with long
+        # answers, and asking them again frees nothing.
+        start = (self.refused * _EVICT) % len(connections) if connections else 0
+        for handler in connections[start:start + _EVICT]:
+            handler.close()  # idle: at once; busy: once its answer is out
+        return _Refused()
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: cut as soon as it is made (its descriptor freed)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.Transport):
+            transport.abort()
+        else:
+            transport.close()

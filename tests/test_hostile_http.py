@@ -1,0 +1,210 @@
+"""Hostile clients at the HTTP level, on a real corral over raw sockets (what no SDK sends):
+nothing a client puts in its request head reaches a child beyond its body and its Accept, a
+malformed head is refused with the connection closed (and no traceback per request in the
+log), and one client that holds connections cannot starve the daemon of descriptors (its
+children's health probes, the other clients)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_upstream import exchanges
+from lifecycle_harness import FAKE
+from raw_server import RawServer
+
+from conftest import Corral, CorralFactory, wait_until
+
+ANSWER = json.dumps({"id": "x", "object": "chat.completion", "model": "far", "choices": [
+    {"index": 0, "finish_reason": "stop",
+     "message": {"role": "assistant", "content": "ok"}}]}).encode()
+BODY = json.dumps({"model": "far", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+class Recorder(RawServer):
+    """A remote endpoint that records each request's head and body, and answers a chat."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        super().__init__()
+
+    def serve(self, conn: socket.socket) -> None:
+        for exchange in exchanges(conn):
+            self.seen.append(exchange)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[Recorder]:
+    recorder = Recorder()
+    yield recorder
+    recorder.close()
+
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, remote: Recorder) -> Corral:
+    config = {"models": {"far": {"backend": "remote", "url": f"http://127.0.0.1:{remote.port}",
+                                 "api_key": "the-remotes-key"}},
+              "api_keys": ["user-key"], "admin_api_keys": ["admin-key"]}
+    return start_corral_module(config, api_key="admin-key")
+
+
+def _exchange(corral: Corral, data: bytes, to_the_end: bool = False) -> tuple[bytes, bool]:
+    """Send `data` on a new connection; what came back, and whether corral closed the
+    connection. `to_the_end`: read until corral closes it (False after 10 s), else only the
+    answer (by its Content-Length)."""
+    host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        got = b""
+        while True:
+            if got.startswith(b"HTTP/1.1 100 "):  # an interim answer (Expect: 100-continue)
+                interim, sep, got = got.partition(b"\r\n\r\n")
+                if not sep:
+                    got = interim
+            head, sep, rest = got.partition(b"\r\n\r\n")
+            if sep and not to_the_end:
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), None)
+                if length is not None and len(rest) >= length:
+                    return got, False
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                return got, True
+            except TimeoutError:
+                return got, False
+            if not chunk:
+                return got, True
+            got += chunk
+
+
+def _post(head: bytes = b"", body: bytes = BODY, length: bool = True,
+          target: bytes = b"/v1/chat/completions") -> bytes:
+    lines = (b"POST " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             b"Authorization: Bearer user-key\r\nContent-Type: application/json\r\n" + head)
+    if length:
+        lines += b"Content-Length: %d\r\n" % len(body)
+    return lines + b"\r\n" + body
+
+
+def _chunked(body: bytes, extension: bytes = b"", trailer: bytes = b"") -> bytes:
+    return b"%x%s\r\n%s\r\n0\r\n%s\r\n" % (len(body), extension, body, trailer)
+
+
+# What a client may try to slip past corral to the child: a second framing of the body (a
+# request smuggled in it), or a header of its own inside another's value.
+MALFORMED = {
+    "content-length and chunked": _post(b"Transfer-Encoding: chunked\r\n"),
+    "two content-lengths": _post(b"Content-Length: 5\r\n"),
+    "chunked, identity": _post(b"Transfer-Encoding: chunked, identity\r\n",
+                               _chunked(BODY), length=False),
+    "obs-fold": _post(b"Accept: text/html\r\n Authorization: Bearer forged\r\n"),
+    "CR in a value": _post(b"Accept: a\rAuthorization: Bearer forged\r\n"),
+    "LF in a value": _post(b"Accept: a\nAuthorization: Bearer forged\r\n"),
+    "NUL in a value": _post(b"Accept: a\x00b\r\n"),
+    "a header past 8 KiB": _post(b"X-Big: " + b"a" * 10_000 + b"\r\n"),
+    "200 headers": _post(b"".join(b"X-H%d: v\r\n" % i for i in range(200))),
+    "a request line past 8 KiB": _post(target=b"/v1/" + b"a" * 10_000),
+    "not HTTP": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_head_is_refused_closed_and_never_relayed(corral: Corral, remote: Recorder,
+                                                              name: str) -> None:
+    before = len(remote.seen)
+    got, closed = _exchange(corral, MALFORMED[name], to_the_end=True)
+    assert got.startswith(b"HTTP/1.") and got.split(b" ", 2)[1] == b"400", got[:300]
+    assert closed, "the connection stays open after a request whose framing is in doubt"
+    assert len(remote.seen) == before
+    # The daemon log (checked at the module's end) has no traceback for it: anyone can send
+    # these, as fast as the line allows.
+
+
+def test_only_corrals_own_headers_reach_the_child(corral: Corral, remote: Recorder) -> None:
+    """Headers a client may send to steer the request to the child: none passes. corral's
+    key replaces the client's, and the child sees corral's Host, framing and connection."""
+    forged = (b"X-Api-Key: user-key\r\nHost2: evil\r\nX-Forwarded-For: 10.0.0.1\r\n"
+              b"X-Forwarded-Host: evil\r\nConnection: keep-alive, X-Secret\r\nX-Secret: 1\r\n"
+              b"Upgrade: h2c\r\nTE: trailers\r\nCookie: a=b\r\nX-HTTP-Method-Override: GET\r\n"
+              b"Proxy-Authorization: Basic eDp5\r\nAccept: text/plain\r\n")
+    cases = {
+        "content-length": _post(forged),
+        "chunked, extensions and a trailer": _post(
+            forged + b"Transfer-Encoding: chunked\r\n",
+            _chunked(BODY, b";ext=1", b"Authorization: Bearer forged\r\n"), length=False),
+        "absolute-form": _post(forged, target=b"http://evil.example/v1/chat/completions"),
+        "expect 100-continue": _post(forged + b"Expect: 100-continue\r\n"),
+    }
+    for name, data in cases.items():
+        before = len(remote.seen)
+        got, _ = _exchange(corral, data)
+        assert b" 200 " in got.split(b"\r\n", 1)[0], (name, got[:300])
+        assert len(remote.seen) == before + 1, name
+        method, path, headers, body = remote.seen[-1]
+        assert (method, path, body) == ("POST", "/v1/chat/completions", BODY), name
+        assert headers == {"host": f"127.0.0.1:{remote.port}",
+                           "content-length": str(len(BODY)),
+                           "content-type": "application/json", "accept": "text/plain",
+                           "accept-encoding": "identity",
+                           "authorization": "Bearer the-remotes-key"}, name
+
+
+def test_pipelined_requests_are_answered_in_order(corral: Corral, remote: Recorder) -> None:
+    before = len(remote.seen)
+    host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(_post() + _post(b"Connection: close\r\n"))
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.count(b"HTTP/1.1 200 OK") == 2, got[:500]
+    assert len(remote.seen) == before + 2
+
+
+def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_clients(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    """One client opens more connections than the daemon has descriptors and sends nothing.
+    The watchdog's probes of the child go on (it is not killed as unresponsive), and another
+    client's request is served once the idle connections made room."""
+    config = {"binary": str(FAKE),
+              "defaults": {"health_interval": 0.1, "health_timeout": 2, "health_failures": 1,
+                           "ctx": 512, "ttl": 300},
+              "models": {"m": {"model": str(tiny_models["tiny-a"])}}}
+    corral = start_corral(config)
+    assert corral.chat("m").status_code == 200
+    child = corral.child_pids()
+    # Room for the daemon's own descriptors (~40 here) and 72 clients (listener.py's reserve).
+    resource.prlimit(corral.proc.pid, resource.RLIMIT_NOFILE, (200, 200))
+    host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex((host, int(port)))  # EINPROGRESS: the kernel completes it
+            held.append(sock)
+        wait_until(lambda: corral.log_events("proxy.connections_full"), timeout=20)
+        # Probes (every 0.1 s) ran while the connections were held: the child lives on.
+        probes = len(corral.log_events("instance.health_failed"))
+
+        def served() -> bool:
+            try:
+                return corral.chat("m", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(served, timeout=30)
+        assert probes == 0 and not corral.log_events("instance.health_failed")
+        assert corral.model("m")["state"] == "ready"
+        assert corral.child_pids() == child
+    finally:
+        for sock in held:
+            sock.close()
