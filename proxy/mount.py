@@ -42,7 +42,10 @@ num_waiting_uncached_tokens: 1000 requests of smg's default mean prefill, 1,024,
 num_waiting_reqs and token_usage, the overload veto's signals: vetoed, a cold node is left out
 even where the only other node serving the model failed, and smg answered 503
 no_available_workers instead of starting the model there. A model cold everywhere ties
-everywhere, and smg picks at random.
+everywhere, and smg picks at random. A model starting now is half that far from ready
+(STARTING_TOKENS): the node already loading it wins over one where it is stopped, or the
+next request, while the first one's node was loading, went to the other node (smg counts
+the tokens it sent the loading one since its last poll) and started the model there too.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ PREFIX = "/w/"
 COLD_WAITING = 1000
 MEAN_PREFILL_TOKENS = 1024
 COLD_TOKENS = COLD_WAITING * MEAN_PREFILL_TOKENS
+# A model starting now: half the penalty, so the node loading it wins over a cold one.
+STARTING_WAITING = COLD_WAITING // 2
+STARTING_TOKENS = STARTING_WAITING * MEAN_PREFILL_TOKENS
 
 # The relay of POST /v1/* (proxy/app.py), told which mount the request came in by.
 Relay = Callable[..., Awaitable[web.StreamResponse]]
@@ -221,11 +227,20 @@ def _states(daemon: Supervisor,
 
 
 class Load:
-    """A model's (or a group's members') requests now, and whether it is ready."""
+    """A model's (or a group's members') requests now, whether it is ready, and else how far
+    from it (`starting`: each model not ready is starting now)."""
 
-    def __init__(self, model: str, running: int, queued: int, slots: int, ready: bool):
+    def __init__(self, model: str, running: int, queued: int, slots: int, ready: bool,
+                 starting: bool = False):
         self.model, self.running, self.queued = model, running, queued
-        self.slots, self.ready = slots, ready
+        self.slots, self.ready, self.starting = slots, ready, starting
+
+    def _penalty(self) -> tuple[int, int]:
+        """The cold-start penalty in (requests, tokens)."""
+        if self.ready:
+            return 0, 0
+        return (STARTING_WAITING, STARTING_TOKENS) if self.starting \
+            else (COLD_WAITING, COLD_TOKENS)
 
     @classmethod
     def of(cls, daemon: Supervisor, target: ModelTarget | GroupTarget) -> Load:
@@ -235,17 +250,19 @@ class Load:
             if isinstance(target, GroupTarget) else [target.name]
         now = daemon.requests_now(members)
         ready = bool(states) and all(s is State.READY for s in states)
-        return cls(canonical, now.in_flight, now.queued, now.slots, ready)
+        starting = bool(states) and all(s in (State.READY, State.STARTING) for s in states)
+        return cls(canonical, now.in_flight, now.queued, now.slots, ready, starting)
 
     def total(self) -> int:
         """vllm-router's one number: requests in flight and waiting, the cold penalty in."""
-        return self.running + self.queued + (0 if self.ready else COLD_WAITING)
+        return self.running + self.queued + self._penalty()[0]
 
     def smg(self) -> dict[str, Any]:
         """smg's `WorkerLoadResponse`: one rank, plus corral's own view under `corral`."""
         # Cold: the queue in tokens, the penalty added (smg reads tokens first when there are
         # any). Warm: none, so smg counts the waiting requests at its own mean prefill.
-        tokens = 0 if self.ready else (self.queued * MEAN_PREFILL_TOKENS + COLD_TOKENS)
+        penalty = self._penalty()[1]
+        tokens = 0 if self.ready else (self.queued * MEAN_PREFILL_TOKENS + penalty)
         return {
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
             "dp_rank_count": 1,
@@ -261,5 +278,5 @@ class Load:
             }],
             "corral": {"model": self.model, "ready": self.ready, "in_flight": self.running,
                        "queued": self.queued,
-                       "cold_penalty_tokens": 0 if self.ready else COLD_TOKENS},
+                       "cold_penalty_tokens": penalty},
         }

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote
 
 import yaml
@@ -134,7 +134,7 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
     http://host:port/<kind>, which the manifest keeps as the node's base)."""
 
     # The Authorization headers /elsewhere got (a redirect's target).
-    keys_elsewhere: list[str | None] = []
+    keys_elsewhere: ClassVar[list[str | None]] = []
 
     def do_GET(self) -> None:
         kind = self.path.split("/")[1]

@@ -66,7 +66,8 @@ def render(nodes: Sequence[Node]) -> str:
 
 
 def read_node(url: str, api_key: str | None) -> Node:
-    """The ids of the node's /v1/models (models, and groups served as models)."""
+    """The ids of the node's /v1/models (models, and groups served as models) and the
+    models' aliases."""
     # A redirect is not followed: the key would go along, and the models of whatever it
     # points at would be listed as this node's, under this URL.
     client = Client(Target(target(url).url, "a node of the fleet"), follow_redirects=False)
@@ -82,8 +83,16 @@ def read_node(url: str, api_key: str | None) -> Node:
         return Node(client.url, error=f"{client.url}/v1/models is not an OpenAI model list")
     if not isinstance(data, list):
         return Node(client.url, error=f"{client.url}/v1/models is not an OpenAI model list")
-    ids = {entry["id"] for entry in data
-           if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+    # Each alias is a worker of its own: smg routes by the manifest's model_id alone, so a
+    # name missing here is a 404 at the router however the node would have answered it. The
+    # alias's mount answers as its model (the same load, health and requests).
+    ids: set[str] = set()
+    for entry in data:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            ids.add(entry["id"])
+            aliases = entry.get("aliases")
+            if isinstance(aliases, list):
+                ids.update(a for a in aliases if isinstance(a, str) and a)
     return Node(client.url, tuple(sorted(ids)))
 
 
