@@ -13,7 +13,7 @@ from aiohttp import web
 from corral.proxy import client_io
 from corral.proxy.errors import ApiError
 from corral.proxy.sse import KEEPALIVE, frame, sse_headers
-from corral.proxy.validate import bad, parse_json_object, require_json
+from corral.proxy.validate import bad, parse_json_object, read_body, require_json
 from corral.supervisor import pull as pulling
 from corral.supervisor.errors import BadOverride, SettingsDiffer, ShuttingDown
 from corral.supervisor.port import Supervisor
@@ -47,11 +47,7 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         overrides: dict[str, Any] = {}
         if request.can_read_body:
             require_json(request)
-            try:
-                raw = await request.read()
-            except web.RequestPayloadError as exc:
-                raise ApiError(400, f"could not read the request body: {exc}",
-                               "invalid_body") from exc
+            raw = await read_body(request, request.app[client_io.DEADLINE].seconds())
             overrides = parse_json_object(raw) if raw.strip() else {}
         restart = overrides.pop("restart", False)
         if not isinstance(restart, bool):
@@ -129,11 +125,8 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
         if daemon.closing:
             raise ShuttingDown("corral is shutting down")
         require_json(request)
-        try:
-            raw = await request.read()
-        except web.RequestPayloadError as exc:
-            raise ApiError(400, f"could not read the request body: {exc}", "invalid_body") from exc
-        body = parse_json_object(raw)
+        body = parse_json_object(
+            await read_body(request, request.app[client_io.DEADLINE].seconds()))
         source = body.get("source")
         if not isinstance(source, str) or not source.strip():
             raise bad("'source' is required: an http(s) URL or owner/repo:file.gguf", "source",

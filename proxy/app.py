@@ -48,6 +48,7 @@ from corral.proxy.validate import (
     check_fields,
     check_messages,
     parse_json_object,
+    read_body,
     require_json,
 )
 from corral.supervisor.config import split_listen
@@ -333,10 +334,7 @@ async def read_json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     if encoding not in ("", "identity"):
         raise ApiError(400, f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON "
                        "body uncompressed", "unsupported_content_encoding")
-    try:
-        raw = await request.read()
-    except web.RequestPayloadError as exc:  # e.g. a chunked body cut short
-        raise ApiError(400, f"could not read the request body: {exc}", "invalid_body") from exc
+    raw = await read_body(request, request.app[client_io.DEADLINE].seconds())
     return raw, parse_json_object(raw)
 
 

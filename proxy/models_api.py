@@ -11,9 +11,10 @@ from typing import Any
 from aiohttp import web
 
 from corral.proxy.access import ADMIN
+from corral.proxy.client_io import DEADLINE
 from corral.proxy.errors import ApiError, method_not_allowed
 from corral.proxy.routing import GroupTarget, exposed_groups, resolve
-from corral.proxy.validate import parse_json_object, require_json
+from corral.proxy.validate import parse_json_object, read_body, require_json
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.model.overrides import FIELDS as LOAD_FIELDS
 from corral.supervisor.port import ModelStatus, State, Supervisor
@@ -115,7 +116,7 @@ async def _named(request: web.Request, daemon: Supervisor,
     exposed as a model: its members). A field of `refuse` is a 400: an admin load's override
     here would be ignored, and the issue's rule is that none is ever ignored silently."""
     require_json(request)
-    body = parse_json_object(await request.read())
+    body = parse_json_object(await read_body(request, request.app[DEADLINE].seconds()))
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise ApiError(400, "the 'model' field is required (an id from GET /models)",

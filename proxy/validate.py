@@ -4,6 +4,7 @@ from deep inside a handler, and never a model started for a request it cannot se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -36,6 +37,34 @@ def require_json(request: web.Request) -> None:
         raise ApiError(415, f"a request body here is JSON: send it with Content-Type: "
                        f"application/json (not {request.content_type[:60]!r})",
                        "unsupported_media_type")
+
+
+async def read_body(request: web.Request, idle: float) -> bytes:
+    """The request's whole body, as request.read() reads it (past client_max_size: 413), with
+    a deadline on the client: a body that stops coming for `idle` seconds (the config's
+    client_write_timeout) is a 408, and the connection is closed. Without it, a client that
+    announced a body and sends none, or a byte now and then, held its connection and the
+    part it sent for as long as it liked. A Content-Length past the limit is a 413 at once."""
+    limit = request.client_max_size
+    length = request.content_length
+    if length is not None and length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
+    loop = asyncio.get_running_loop()
+    body = bytearray()
+    try:
+        # One timer for the whole read, moved on with each piece that comes.
+        async with asyncio.timeout(idle) as deadline:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+                deadline.reschedule(loop.time() + idle)
+    except TimeoutError as exc:
+        raise ApiError(408, f"the request body stopped coming: nothing for {idle:g}s, "
+                       f"{len(body)} bytes in", "request_timeout") from exc
+    except web.RequestPayloadError as exc:  # e.g. a chunked body cut short
+        raise ApiError(400, f"could not read the request body: {exc}", "invalid_body") from exc
+    return bytes(body)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

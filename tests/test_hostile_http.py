@@ -51,7 +51,9 @@ def remote() -> Iterator[Recorder]:
 def corral(start_corral_module: CorralFactory, remote: Recorder) -> Corral:
     config = {"models": {"far": {"backend": "remote", "url": f"http://127.0.0.1:{remote.port}",
                                  "api_key": "the-remotes-key"}},
-              "api_keys": ["user-key"], "admin_api_keys": ["admin-key"]}
+              "api_keys": ["user-key"], "admin_api_keys": ["admin-key"],
+              # A client's silence, its answer's or its body's, is cut short here.
+              "client_write_timeout": 1, "max_body_mb": 1}
     return start_corral_module(config, api_key="admin-key")
 
 
@@ -167,6 +169,55 @@ def test_pipelined_requests_are_answered_in_order(corral: Corral, remote: Record
             got += chunk
     assert got.count(b"HTTP/1.1 200 OK") == 2, got[:500]
     assert len(remote.seen) == before + 2
+
+
+def _answer_then_close(corral: Corral, data: bytes,
+                       wait_close: bool = True) -> tuple[int, dict[str, str], bool]:
+    """Send `data` (and no more): the status and error of the answer, and (`wait_close`)
+    whether corral then closed the connection (within 30 s: aiohttp reads what may still
+    come for 10 s)."""
+    host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        try:
+            closed = wait_close and sock.recv(65536) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+    head, _, body = got.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)["error"], closed
+
+
+def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(
+        corral: Corral, remote: Recorder) -> None:
+    before = len(remote.seen)
+    head = _post(body=b"x" * 1000)[:-1000]  # the head announces 1000 bytes
+    status, error, closed = _answer_then_close(corral, head + BODY[:10])
+    assert (status, error["code"], closed) == (408, "request_timeout", True), error
+    # No byte of it; a chunk begun and never finished, and no last chunk.
+    for data in (head, _post(b"Transfer-Encoding: chunked\r\n",
+                             b"%x\r\n" % len(BODY) + BODY[:10], length=False)):
+        status, error, _ = _answer_then_close(corral, data, wait_close=False)
+        assert (status, error["code"]) == (408, "request_timeout"), error
+    assert len(remote.seen) == before
+
+
+def test_a_body_announced_past_the_limit_is_refused_before_it_comes(corral: Corral) -> None:
+    head = _post(body=b"x" * (2 << 20))[:-(2 << 20)]  # 2 MiB announced, max_body_mb 1
+    status, error, _ = _answer_then_close(corral, head, wait_close=False)
+    assert (status, error["code"]) == (413, "request_too_large"), error
+    # One byte over the limit, sent: 413; at the limit: read (and refused as JSON, 400).
+    limit = 1 << 20
+    for size, code in ((limit + 1, "request_too_large"), (limit, "invalid_json")):
+        resp = corral.http.post("/v1/chat/completions", content=b" " * size,
+                                headers={"Content-Type": "application/json"})
+        assert resp.json()["error"]["code"] == code, (size, resp.text)
 
 
 def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_clients(

@@ -62,7 +62,7 @@ class Config(BaseModel):
     client_write_timeout: float = Field(
         30, gt=0, description="seconds a write to a client may wait for the client to take "
         "bytes; past that the client is cut off, its upstream request dropped and the model's "
-        "slot freed")
+        "slot freed. A request body that stops coming for as long is a 408")
     state_dir: str | None = None
     binary: str | None = None
     defaults: Defaults = Defaults()
