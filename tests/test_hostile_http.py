@@ -259,3 +259,17 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
     finally:
         for sock in held:
             sock.close()
+
+
+def test_the_depth_bound_is_exact_for_arrays_and_objects() -> None:
+    from corral.proxy.validate import MAX_DEPTH, parse_json_object, too_deep
+
+    def nested(depth: int) -> bytes:  # `depth` containers in all, the top object included
+        inner = b"[" * (depth - 2) + b"]" * (depth - 2)
+        return b'{"model": "m", "a": {"b": ' + inner + b"}}"
+
+    assert parse_json_object(nested(MAX_DEPTH))["model"] == "m"
+    with pytest.raises(Exception, match="nested more than"):
+        parse_json_object(nested(MAX_DEPTH + 1))
+    wide = [[] for _ in range(100_000)]  # breadth is not depth
+    assert not too_deep({"x": wide}) and not too_deep("[[[[") and not too_deep([])
