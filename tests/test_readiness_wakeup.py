@@ -184,7 +184,9 @@ def test_a_line_it_does_not_know_leaves_the_fallback_poll() -> None:
     # The unknown line wakes nothing; the fallback poll finds it within POLL_S.
     late, probes = _probe_run("something else", ("model loaded",), poll_s=0.02)
     assert late < 0.1, late
-    assert probes >= 10, probes  # polled all along, 20 ms apart, over the 0.4 s
+    # Polled all along over the 0.4 s (20 ms apart: ~20 on a quiet box, 8 seen on a loaded
+    # one); the unknown line alone would have woken one.
+    assert probes >= 5, probes
 
 
 def test_a_child_that_dies_during_a_hanging_probe_is_noticed_at_once() -> None:
