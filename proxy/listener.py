@@ -37,9 +37,9 @@ IDLE_S = 75.0
 # Descriptors kept for the daemon itself at the cap: its children (a pipe or two each, the
 # relay's and the watchdog's connections), the state and cache files, the config watchers.
 _RESERVE_MIN = 128
-# Asked to close per connection refused at the cap: idle ones go at once, busy ones after
-# their answer.
-_EVICT = 4
+# Idle connections closed per accept at the cap, and how many connections one accept looks at.
+_EVICT = 1
+_WINDOW = 64
 
 
 def connection_limit(soft: int | None = None) -> int:
@@ -96,6 +96,7 @@ class Listener:
         self.limit = limit
         self._server: asyncio.Server | None = None
         self.refused = 0
+        self._window = 0  # where the next look for idle connections starts
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,19 +113,39 @@ class Listener:
         assert server is not None, "the runner is set up before the listener starts"
         connections = server.connections  # oldest first
         limit = connection_limit() if self.limit is None else self.limit
-        if len(connections) < limit:
+        if len(connections) < limit or self._evict_idle(connections):
             return server()
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
             log.warning("proxy.connections_full", limit=limit, refused=self.refused,
-                        note="client connections at the cap: new ones are cut, the oldest "
-                             "asked to close")
-        # A window that moves on with each refusal: the oldest may be busy with long
-        # answers, and asking them again frees nothing.
-        start = (self.refused * _EVICT) % len(connections) if connections else 0
-        for handler in connections[start:start + _EVICT]:
-            handler.close()  # idle: at once; busy: once its answer is out
+                        note="client connections at the cap, none idle: new ones are cut")
         return _Refused()
+
+    def _evict_idle(self, connections: list[web.RequestHandler]) -> bool:
+        """At the cap: close up to _EVICT idle connections (between requests, or with no whole
+        head yet) in a window that moves on with each call, so that the cost of an accept
+        stays bounded however many connections there are. Whether any was closed."""
+        count = len(connections)
+        if not count:
+            return False
+        start = self._window % count
+        self._window += _WINDOW
+        evicted = 0
+        for handler in connections[start:start + _WINDOW]:
+            if _idle(handler):
+                handler.force_close()  # its descriptor is freed on the loop's next turn
+                evicted += 1
+                if evicted == _EVICT:
+                    break
+        return evicted > 0
+
+
+def _idle(handler: web.RequestHandler) -> bool:
+    """Whether `handler` waits for a request (its head not whole, or none begun): aiohttp's
+    own test in its keep-alive timer, on a private field; where a release lacks it, no
+    connection counts as idle and the cap only refuses."""
+    waiter = getattr(handler, "_waiter", None)
+    return isinstance(waiter, asyncio.Future) and not waiter.done()
 
 
 class _Refused(asyncio.Protocol):

@@ -6,7 +6,9 @@ children's health probes, the other clients)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import socket
 from collections.abc import Iterator
@@ -228,7 +230,8 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
     config = {"binary": str(FAKE),
               "defaults": {"health_interval": 0.1, "health_timeout": 2, "health_failures": 1,
                            "ctx": 512, "ttl": 300},
-              "models": {"m": {"model": str(tiny_models["tiny-a"])}}}
+              "models": {"m": {"model": str(tiny_models["tiny-a"])}},
+              "client_write_timeout": 2}
     corral = start_corral(config)
     assert corral.chat("m").status_code == 200
     child = corral.child_pids()
@@ -242,7 +245,18 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
             sock.setblocking(False)
             sock.connect_ex((host, int(port)))  # EINPROGRESS: the kernel completes it
             held.append(sock)
-        wait_until(lambda: corral.log_events("proxy.connections_full"), timeout=20)
+
+        def closed_by_corral(sock: socket.socket) -> bool:
+            try:
+                return sock.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except ConnectionError:
+                return True
+
+        # Past the cap (72 here), each new connection closed an idle one to make room.
+        wait_until(lambda: sum(map(closed_by_corral, held)) >= 200, timeout=30)
+        assert len(os.listdir(f"/proc/{corral.proc.pid}/fd")) < 200
         # Probes (every 0.1 s) ran while the connections were held: the child lives on.
         probes = len(corral.log_events("instance.health_failed"))
 
@@ -255,6 +269,24 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
         wait_until(served, timeout=30)
         assert probes == 0 and not corral.log_events("instance.health_failed")
         assert corral.model("m")["state"] == "ready"
+        assert corral.child_pids() == child
+
+        # Connections that are not idle (each has announced a body and sent none) are not
+        # closed for a new one: past the cap it is cut, until the bodies' deadline
+        # (client_write_timeout) frees them.
+        for sock in held:
+            sock.close()
+        held.clear()
+        head = _post(body=b"x" * 1000)[:-1000]
+        for _ in range(100):
+            sock = socket.socket()
+            sock.settimeout(5)
+            held.append(sock)
+            with contextlib.suppress(OSError):  # cut at the cap
+                sock.connect((host, int(port)))
+                sock.sendall(head)
+        wait_until(lambda: corral.log_events("proxy.connections_full"), timeout=30)
+        wait_until(served, timeout=60)
         assert corral.child_pids() == child
     finally:
         for sock in held:
