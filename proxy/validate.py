@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +18,13 @@ from corral.proxy.families.shapes import CHECKS, MESSAGES_PATHS
 # Deeper JSON than this is refused: nothing OpenAI-shaped needs it (tool schemas included),
 # and Python's recursion limit would end the request somewhere far from the parser.
 MAX_DEPTH = 64
+# Arrays and objects in a body, at most. Each costs the parser about a microsecond (more when
+# nested) and the depth walk some more, all on the event loop: a 25 MB body of small nested
+# arrays held every other client, and every health probe of the children, for 20 s. Nothing
+# OpenAI-shaped comes near: a chat of 10,000 messages with content parts has 30,000.
+MAX_CONTAINERS = 500_000
+# A JSON string: the brackets inside one (a prompt of code) are no containers.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 # Sampling fields that must be numbers when given (null means "the default", as in OpenAI).
 NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "temperature",
                  "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -68,7 +76,17 @@ async def read_body(request: web.Request, idle: float) -> bytes:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Strict JSON (UTF-8, no NaN/Infinity, bounded depth) whose top level is an object."""
+    """Strict JSON (UTF-8, no NaN/Infinity, bounded depth and size in arrays and objects)
+    whose top level is an object."""
+    brackets = raw.count(b"{") + raw.count(b"[")
+    if brackets > MAX_CONTAINERS:
+        # Counted again outside strings (a C-speed pass, only for the few bodies with this
+        # many brackets), before the parse that would cost the event loop seconds.
+        bare = _STRING.sub(b"", raw)
+        brackets = bare.count(b"{") + bare.count(b"[")
+        if brackets > MAX_CONTAINERS:
+            raise ApiError(400, f"request body has more than {MAX_CONTAINERS} arrays and "
+                           "objects", "invalid_json")
     try:
         body = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -78,7 +96,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
     # Deeper than MAX_DEPTH takes more brackets than that: most bodies are not walked.
-    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and too_deep(body):
+    if brackets > MAX_DEPTH and too_deep(body):
         raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep",
                        "invalid_json")
     return body

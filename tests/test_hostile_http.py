@@ -305,3 +305,22 @@ def test_the_depth_bound_is_exact_for_arrays_and_objects() -> None:
         parse_json_object(nested(MAX_DEPTH + 1))
     wide = [[] for _ in range(100_000)]  # breadth is not depth
     assert not too_deep({"x": wide}) and not too_deep("[[[[") and not too_deep([])
+
+
+def test_a_body_of_too_many_arrays_is_refused_before_it_is_parsed() -> None:
+    """Parsing millions of small arrays held the event loop for seconds (every client, every
+    health probe): past MAX_CONTAINERS the body is refused, while brackets inside strings (a
+    prompt of code) do not count."""
+    from corral.proxy.errors import ApiError
+    from corral.proxy.validate import MAX_CONTAINERS, parse_json_object
+
+    def arrays(count: int) -> bytes:  # the top object and its list included
+        return b'{"model": "m", "x": [' + b",".join([b"[]"] * (count - 2)) + b"]}"
+
+    assert len(parse_json_object(arrays(MAX_CONTAINERS))["x"]) == MAX_CONTAINERS - 2
+    with pytest.raises(ApiError, match="arrays and objects") as refused:
+        parse_json_object(arrays(MAX_CONTAINERS + 1))
+    assert refused.value.status == 400
+    code = 'if (a[i]) { b[j] = {"k": [1]}; }\n' * (MAX_CONTAINERS // 2)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": code}]})
+    assert parse_json_object(body.encode())["messages"][0]["content"] == code
