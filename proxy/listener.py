@@ -37,6 +37,8 @@ IDLE_S = 75.0
 # Descriptors kept for the daemon itself at the cap: its children (a pipe or two each, the
 # relay's and the watchdog's connections), the state and cache files, the config watchers.
 _RESERVE_MIN = 128
+# The accept queue's length (nginx's default is 511).
+BACKLOG = 1024
 # Idle connections closed per accept at the cap, and how many connections one accept looks at.
 _EVICT = 1
 _WINDOW = 64
@@ -100,8 +102,11 @@ class Listener:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        # A burst of hundreds of streams connects at once: a short accept queue (asyncio's
+        # default is 100, web.TCPSite's 128) drops SYNs past it, and a dropped SYN costs the
+        # client a 1 s retransmit before its first token. The kernel caps it at somaxconn.
         self._server = await loop.create_server(self._protocol, self._host, self._port,
-                                                reuse_address=True)
+                                                reuse_address=True, backlog=BACKLOG)
 
     async def stop(self) -> None:
         """No new connections; open ones stay, for the runner's shutdown."""
