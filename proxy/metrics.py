@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from corral.proxy.request_metrics import START, RequestSeries
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.events import Event
 from corral.supervisor.port import Supervisor
@@ -25,13 +26,6 @@ from corral.supervisor.port import Supervisor
 UNKNOWN_MODEL = "_unknown"
 # A stream that answers for no model (GET /admin/events).
 NO_MODEL = "_none"
-# Waits and latencies of a local model: from a millisecond (a hot slot) to minutes (a large
-# cold start, a long generation).
-_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
-            600)
-_START = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 900)
-_SPEED = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
-
 
 class Metrics:
     def __init__(self, daemon: Supervisor) -> None:
@@ -39,36 +33,14 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         model = ["model"]
-        self.requests = Counter("corral_requests", "Proxied requests by model, endpoint and "
-                                "HTTP status", ["model", "endpoint", "status"], registry=r)
-        self.duration = Histogram("corral_request_duration_seconds", "Whole request, arrival "
-                                  "to last byte", ["model", "endpoint"], buckets=_LATENCY,
-                                  registry=r)
-        self.queue_wait = Histogram("corral_queue_wait_seconds", "Waiting for a free slot "
-                                    "(or room to load), cold-start wait excluded", model,
-                                    buckets=_LATENCY, registry=r)
-        self.start_wait = Histogram("corral_start_wait_seconds", "Waiting for a cold model to "
-                                    "load (requests that found it not ready)", model,
-                                    buckets=_START, registry=r)
-        self.ttft = Histogram("corral_time_to_first_token_seconds", "Streams: arrival to the "
-                              "first bytes of the answer (the first token)", model,
-                              buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter("corral_prompt_tokens", "Prompt tokens, as the child "
-                                     "counted them", model, registry=r)
-        self.completion_tokens = Counter("corral_completion_tokens", "Generated tokens, as the "
-                                         "child counted them", model, registry=r)
-        self.speed = Histogram("corral_generation_tokens_per_second", "Generation speed per "
-                               "request (llama-server's timings, else measured)", model,
-                               buckets=_SPEED, registry=r)
-        self.hits = Counter("corral_model_hits", "Requests that found their model loaded",
-                            model, registry=r)
-        self.misses = Counter("corral_model_misses", "Requests that waited for their model "
-                              "to load", model, registry=r)
+        # First, as the per-request families were when they were Counters and Histograms.
+        self.per_request = RequestSeries()
+        r.register(self.per_request)
         self.starts = Counter("corral_model_starts", "Child starts begun", model, registry=r)
         self.start_failures = Counter("corral_model_start_failures", "Child starts that "
                                       "failed", model, registry=r)
         self.start_duration = Histogram("corral_model_start_duration_seconds", "Spawn to "
-                                        "ready, per successful start", model, buckets=_START,
+                                        "ready, per successful start", model, buckets=START,
                                         registry=r)
         self.restarts = Counter("corral_model_restarts", "Starts after a failure (crash, "
                                 "failed start, watchdog kill)", model, registry=r)
@@ -128,11 +100,6 @@ class Metrics:
             registry=r)
         r.register(_LiveState(daemon))
         daemon.events.listen(self.on_event)
-        # The labelled series each request touches, looked up once (labels() costs a few
-        # microseconds a call). Bounded like the labels themselves.
-        self._per_model: dict[str, _ModelSeries] = {}
-        self._requests: dict[tuple[str, str, int], Any] = {}
-        self._durations: dict[tuple[str, str], Any] = {}
 
     def model_label(self, name: str) -> str:
         daemon = self.daemon
@@ -142,25 +109,9 @@ class Metrics:
 
     def observe(self, record: RequestRecord) -> None:
         """`record.model` is a label already (model_label): the accounting sets it so."""
-        model = record.model
-        per_model = self._per_model.get(model)
-        if per_model is None:
-            per_model = self._per_model[model] = _ModelSeries(self, model)
-        key = (model, record.endpoint, record.status or 0)
-        counter = self._requests.get(key)
-        if counter is None:
-            counter = self._requests[key] = self.requests.labels(model, record.endpoint,
-                                                                 str(record.status))
-        counter.inc()
-        if record.duration_s is not None:
-            duration = self._durations.get(key[:2])
-            if duration is None:
-                duration = self._durations[key[:2]] = self.duration.labels(model,
-                                                                           record.endpoint)
-            duration.observe(record.duration_s)
-        per_model.observe(record)
+        self.per_request.observe(record)
         if record.restored is not None and record.prompt_ms_per_token is not None:
-            self.cache_prefill_saved.labels(model).inc(
+            self.cache_prefill_saved.labels(record.model).inc(
                 record.restored.tokens * record.prompt_ms_per_token / 1000)
 
     def client_stalled(self, model: str | None) -> None:
@@ -218,33 +169,6 @@ class Metrics:
         # prometheus_client's own server negotiates it.
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
-
-
-class _ModelSeries:
-    """One model's per-request series, bound to its label."""
-
-    def __init__(self, m: Metrics, model: str) -> None:
-        self.hits, self.misses = m.hits.labels(model), m.misses.labels(model)
-        self.queue_wait, self.start_wait = m.queue_wait.labels(model), m.start_wait.labels(model)
-        self.ttft, self.speed = m.ttft.labels(model), m.speed.labels(model)
-        self.prompt_tokens = m.prompt_tokens.labels(model)
-        self.completion_tokens = m.completion_tokens.labels(model)
-
-    def observe(self, record: RequestRecord) -> None:
-        if record.hit is not None:
-            (self.hits if record.hit else self.misses).inc()
-            if record.queue_s is not None:
-                self.queue_wait.observe(record.queue_s)
-            if not record.hit and record.start_s is not None:
-                self.start_wait.observe(record.start_s)
-        if record.ttft_s is not None and record.stream:
-            self.ttft.observe(record.ttft_s)  # a whole answer's first byte is not a token
-        if record.prompt_tokens:
-            self.prompt_tokens.inc(record.prompt_tokens)
-        if record.completion_tokens:
-            self.completion_tokens.inc(record.completion_tokens)
-        if record.tokens_per_s:
-            self.speed.observe(record.tokens_per_s)
 
 
 class _LiveState(Collector):
