@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from corral.proxy import request_id
+from corral.proxy.redact import without_secrets  # forward.py and the groups import it here
 from corral.proxy.sse import error_event as sse_error_event  # its old home: forward.py imports it
 from corral.supervisor.errors import (
     InUse,
@@ -167,17 +167,6 @@ def _child_error(status: int, payload: bytes, model: str) -> web.Response:
                               kind="server_error", code="upstream_error")
     return error_response(status, message, kind=kind or "invalid_request_error",
                           code="upstream_error" if status >= 500 else None)
-
-
-def without_secrets(payload: bytes, headers: Mapping[str, str]) -> bytes:
-    """A child's error answer less the credentials corral sent it (`headers`: the lease's, a
-    remote's `Authorization: Bearer <api_key>`): some servers quote a key they refuse, and
-    their message goes on to the client and into the log."""
-    for value in headers.values():
-        secret = value.rpartition(" ")[2].encode()
-        if len(secret) >= 8 and secret in payload:
-            payload = payload.replace(secret, b"[redacted]")
-    return payload
 
 
 def _child_message(payload: bytes) -> tuple[str, str | None]:

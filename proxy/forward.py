@@ -27,6 +27,7 @@ from corral.proxy.errors import (
 )
 from corral.proxy.families.numbering import EventNumbering
 from corral.proxy.families.wire import StreamHead, Wire, wire_for
+from corral.proxy.redact import StreamRedactor, secrets_of
 from corral.proxy.rename import StreamRenamer, rename_answer, rename_request
 from corral.proxy.sse import sse_headers
 from corral.proxy.timing import RequestRecord
@@ -218,7 +219,11 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
     # in the connection's callback: no task wakes per chunk. This task then waits for the
     # end, a failure, or a client that is behind (it waits for the client, then the child is
     # read again).
-    direct = renamer is None  # the first chunk is yet to go out the usual way
+    # A remote may quote its key in an error event of a stream it began: its chunks are looked
+    # at on the way (so not relayed directly). A child of corral's has a key of corral's.
+    secrets = secrets_of(lease.headers) if lease.pid is None else []
+    redactor = StreamRedactor(secrets) if secrets else None
+    direct = renamer is None and redactor is None  # the first chunk is yet to go out as usual
     sink: Callable[[bytes], bool] | None = None
     held = b""  # a start that waits for its first event (wire.holds_start)
     try:
@@ -238,6 +243,13 @@ async def _relay_stream(request: web.Request, upstream: ChildResponse,
                 await _end_broken(out, upstream, lease, record, wire, head,
                                   _child_broken(model, exc, "mid-stream"), numbering)
                 break
+            if redactor is not None:
+                if chunk:
+                    chunk = redactor.feed(chunk)
+                    if not chunk:
+                        continue  # all held: the next chunk says whether a key goes on
+                else:  # the end: what was held goes out, then the end is read again
+                    chunk, redactor = redactor.flush(), None
             if not chunk:
                 if held:  # a stream too short to show its first event
                     await out.write(renamer.feed(held) if renamer is not None else held)

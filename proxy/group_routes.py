@@ -24,6 +24,7 @@ from corral.proxy.errors import (
     UpstreamRejected,
     error_response,
     http_error,
+    without_secrets,
 )
 from corral.proxy.families import translate
 from corral.proxy.families.streams import FamilyWriter, writer_for
@@ -41,7 +42,7 @@ from corral.proxy.upstream import leased
 from corral.proxy.validate import bad, check_fields, check_messages
 from corral.supervisor.config import GroupSpec
 from corral.supervisor.errors import ShuttingDown, SupervisorError
-from corral.supervisor.port import Supervisor
+from corral.supervisor.port import Lease, Supervisor
 from corral.supervisor.templates import template_problem
 
 log = structlog.get_logger("corral.proxy")
@@ -301,7 +302,7 @@ async def _stream_synthesis(opened: _Opening, runner: GroupRunner, body: dict[st
                                         parsed=payload)
             first_byte.reschedule(None)
             try:
-                await _expect_ok(upstream, model)
+                await _expect_ok(upstream, model, lease)
                 await opened.begin(outcome)
                 out, writer = opened.out, opened.writer
                 async with contextlib.aclosing(_events(upstream, model)) as events:
@@ -329,11 +330,13 @@ async def _whole_synthesis(opened: _Opening, runner: GroupRunner, body: dict[str
     return result.finish, result.stop_sequence
 
 
-async def _expect_ok(upstream: ChildResponse, model: str) -> None:
+async def _expect_ok(upstream: ChildResponse, model: str, lease: Lease) -> None:
     if upstream.status == 200:
         return
     try:
-        detail = (await upstream.read(_LINE_LIMIT)).decode(errors="replace")[:300]
+        # A remote may quote the key it refuses: its words go to the client and the log.
+        detail = without_secrets(await upstream.read(_LINE_LIMIT), lease.headers).decode(
+            errors="replace")[:300]
     except ChildHttpError as exc:
         detail = str(exc) or type(exc).__name__
     raise UpstreamRejected(f"{model} answered HTTP {upstream.status}: {detail}")
