@@ -12,6 +12,12 @@ from importlib import resources
 from aiohttp import web
 
 PAGE = "static/status.html"
+PATHS = ("/", "/ui")
+
+# Every other answer is data (JSON, an event stream, a child's answer relayed), never a page:
+# a browser that was somehow led to show one as a document (a child that answers text/html,
+# a sniffed type) runs nothing from it, fetches nothing, and cannot be framed.
+_DATA_POLICY = "default-src 'none'; frame-ancestors 'none'; sandbox"
 
 
 def csp_hashes(page: str, tag: str) -> list[str]:
@@ -36,6 +42,20 @@ def content_security_policy(page: str) -> str:
     ])
 
 
+def guard_answer(request: web.Request, response: web.StreamResponse) -> None:
+    """The headers of every answer but the page's own (which sets stricter ones of its own):
+    called as its head is prepared (proxy/app.py), so a relayed child's headers are overridden."""
+    if request.path in PATHS and request.method in ("GET", "HEAD"):
+        return
+    headers = response.headers
+    headers["X-Content-Type-Options"] = "nosniff"
+    headers["Content-Security-Policy"] = _DATA_POLICY
+    if request.path.startswith("/admin"):
+        # What runs, the config, the logs: never kept in a browser's cache or a proxy's,
+        # where the next user of the machine (or of the proxy) could read it without a key.
+        headers["Cache-Control"] = "no-store"
+
+
 def add_routes(app: web.Application) -> None:
     # Read once per app: the file ships in the package (package-data), and a changed page
     # needs a restart like any other code.
@@ -52,5 +72,5 @@ def add_routes(app: web.Application) -> None:
     async def page(request: web.Request) -> web.Response:
         return web.Response(body=body, headers=headers)
 
-    app.router.add_get("/", page)
-    app.router.add_get("/ui", page)
+    for path in PATHS:
+        app.router.add_get(path, page)
