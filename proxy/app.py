@@ -186,6 +186,7 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
     # handler returns.
     request[STARTED] = True
     request.app[EDGE].add_cors(request, response)
+    ui.guard_answer(request, response)
     # Which node answered: behind a router (docs/fleet.md), where the request ran. Not on
     # the edge's refusals: the host name is not a web page's to read (edge.REFUSED).
     if not request.get(EDGE_REFUSED):
