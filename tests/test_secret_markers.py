@@ -25,6 +25,7 @@ from fake_upstream import exchanges
 from raw_server import RawServer
 
 from corral.proxy.redact import StreamRedactor
+from corral.supervisor.config import ConfigError, parse_config
 
 from conftest import Corral, CorralFactory, tiny_config, wait_until
 
@@ -164,6 +165,16 @@ def test_the_redactor_finds_a_key_cut_anywhere() -> None:
     redactor = StreamRedactor([key])
     assert redactor.feed(b"data: sk-01") == b"data: "
     assert redactor.feed(b"x\n\n") == b"sk-01x\n\n"
+
+
+def test_a_token_flag_in_args_is_refused_without_quoting_it(tmp_path: Path) -> None:
+    for args in (["--hf-token", HF_TOKEN], [f"--hf-token={HF_TOKEN}"], ["-hft", HF_TOKEN]):
+        text = yaml.safe_dump({"models": {"m": {"model": "m.gguf", "args": args}}})
+        with pytest.raises(ConfigError) as caught:
+            parse_config(text, tmp_path / "corral.yaml")
+        assert [i.key for i in caught.value.issues] == ["models.m.args"], caught.value
+        assert "HF_TOKEN" in str(caught.value) and "ps" in str(caught.value)
+        assert _in_clear(str(caught.value)) == [] and _in_clear(str(caught.value.__cause__)) == []
 
 
 def _events(corral: Corral) -> str:

@@ -32,6 +32,12 @@ _OWNED_FLAGS = {
     "--api-key": "corral gives every child an API key of its own",
     "--api-key-file": "corral gives every child an API key of its own",
 }
+# Flags whose value is a secret: argv is every local user's to read (ps, /proc/<pid>/cmdline),
+# and corral shows it in /admin/config and the log. llama-server and vLLM read the token from
+# their environment, which only the child's user can read and corral never shows.
+_SECRET_FLAGS = dict.fromkeys(
+    ("--hf-token", "-hft"), "a token in argv shows in `ps` to every local user, in /admin/config "
+    "and in the log; give it in the environment instead: env: {HF_TOKEN: \"${HF_TOKEN}\"}")
 
 
 class ReplicasConfig(BaseModel):
@@ -199,8 +205,9 @@ class ModelConfig(BaseModel):
         for arg in args:
             # `--port=8081` is the same flag as `--port 8081`.
             flag = arg.split("=", 1)[0] if arg.startswith("--") else arg
-            if flag in _OWNED_FLAGS:
-                problems.append(f"{flag} is not allowed in args: {_OWNED_FLAGS[flag]}")
+            why = _OWNED_FLAGS.get(flag) or _SECRET_FLAGS.get(flag)
+            if why:
+                problems.append(f"{flag} is not allowed in args: {why}")
         if problems:
             raise ValueError("; ".join(problems))
         return args
