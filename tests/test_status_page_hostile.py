@@ -3,7 +3,8 @@ alias and group names from a config someone else wrote (a preset off the interne
 log lines, a failed start's error. Each reaches the page as text and runs nothing; names that
 are also the names of what every JavaScript object inherits ("constructor", "__proto__") are
 shown as themselves; the history's marks stay bounded however many a busy hour brings; and
-every answer but the page itself says it is data, never a document a browser may run."""
+every answer but the page itself says it is data, never a document a browser may run; and
+the admin key lives as long as the tab, never on disk."""
 
 from __future__ import annotations
 
@@ -193,3 +194,40 @@ def test_every_answer_but_the_page_is_data_a_browser_runs_nothing_from(
     page = httpx.get(corral.url + "/")
     assert "script-src 'sha256-" in page.headers["content-security-policy"]
     assert "sandbox" not in page.headers["content-security-policy"]
+
+
+def test_the_key_lives_as_long_as_the_tab_never_on_disk(corral: Corral,
+                                                         browser: Browser) -> None:
+    """The page kept the admin key in localStorage: on disk, for good, readable by whatever
+    page is served at the same host and port later. Now the tab's sessionStorage: a reload
+    keeps it, a new tab asks again, and a key an older page left in localStorage is moved."""
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(UI_WAIT_MS)
+        problems: list[str] = []
+        open_page(corral, page, problems)
+        expect(page.locator("#models tbody tr")).not_to_have_count(0)
+        assert page.evaluate("localStorage.getItem('corral.adminKey')") is None
+        assert page.evaluate("sessionStorage.getItem('corral.adminKey')") == ADMIN_KEY
+        page.reload()
+        expect(page.locator("#conn")).to_have_text("live")
+        expect(page.locator("#keyform")).to_be_hidden()
+
+        fresh = context.new_page()  # another tab: no key
+        fresh.set_default_timeout(UI_WAIT_MS)
+        fresh.goto(corral.url + "/")
+        expect(fresh.locator("#keyform")).to_be_visible()
+        # A key an older page stored for good: used in this tab, gone from the disk.
+        fresh.evaluate(f"localStorage.setItem('corral.adminKey', {json.dumps(ADMIN_KEY)})")
+        fresh.reload()
+        expect(fresh.locator("#conn")).to_have_text("live")
+        assert fresh.evaluate("localStorage.getItem('corral.adminKey')") is None
+        assert fresh.evaluate("sessionStorage.getItem('corral.adminKey')") == ADMIN_KEY
+        # "Change key" forgets it.
+        fresh.click("#forget")
+        expect(fresh.locator("#keyform")).to_be_visible()
+        assert fresh.evaluate("sessionStorage.getItem('corral.adminKey')") is None
+        assert not problems, problems
+    finally:
+        context.close()
