@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.proxy.answer_tail import top_level_tail
 from corral.proxy.families.wire import StreamHead, Wire, count, wire_for
 from corral.supervisor.port import Lease, Restored
 
@@ -95,11 +96,14 @@ class RequestRecord:
         Only those objects are parsed, found from the end: an embeddings answer of megabytes
         is not decoded on the event loop for two numbers."""
         if len(body) <= _WHOLE_PARSE:
-            # A chat answer of a few KB: one parse is cheaper than finding both objects.
-            try:
-                data = json.loads(body)
-            except (ValueError, RecursionError):  # a hostile upstream nests deep
-                return
+            # A chat answer of a few KB: its tail's members from `usage` on (2-3 µs less than
+            # the whole), else one parse, cheaper than finding both objects.
+            data = top_level_tail(body)
+            if data is None:
+                try:
+                    data = json.loads(body)
+                except (ValueError, RecursionError):  # a hostile upstream nests deep
+                    return
             if isinstance(data, dict):
                 self._take_usage(data)
             return
