@@ -34,6 +34,7 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.config.checks import missing_files
 from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
+from corral.supervisor.config.readable import READABLE_HINT, secrets_readable_by_others
 from corral.supervisor.ctl import fleet
 from corral.supervisor.runtime import Runtime, build_runtime
 from corral.supervisor.statefile import (
@@ -158,6 +159,8 @@ def _check(paths: list[Path], files: bool = True) -> int:
                   f"(write `models: {{}}` to remove every model)", file=sys.stderr)
         for warning in cache_ram_warnings(loaded):  # no error: placement counts the caches
             print(f"warning: {warning}", file=sys.stderr)
+        for file, mode in secrets_readable_by_others(loaded):
+            print(f"warning: {file} (mode {mode:04o}): {READABLE_HINT}", file=sys.stderr)
         print(f"{path}: ok ({len(loaded.models)} models)")
     return 1 if failed else 0
 
@@ -343,6 +346,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {issue}", file=sys.stderr)
         return 1
     _warn_missing_files(args, loaded)
+    for file, mode in secrets_readable_by_others(loaded):
+        log.warning("config.secrets_readable", file=str(file), mode=f"{mode:04o}",
+                    hint=READABLE_HINT)
     listen = args.listen or loaded.config.listen
     try:
         host, port = split_listen(listen)

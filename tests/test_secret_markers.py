@@ -13,6 +13,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,7 @@ def corral(start_corral_module: CorralFactory, remote: Remote,
                                     "synthesizer": "echo", "expose_as_model": True}}
     path = tmp_path_factory.mktemp("markers") / "corral.yaml"
     path.write_text(yaml.safe_dump(config))
+    path.chmod(0o644)  # the umask's usual mode: every local user may read the keys in it
     corral = start_corral_module.serve(path, api_key=ADMIN_KEY, env={
         "HF_TOKEN": HF_TOKEN, "CORRAL_TEST_KEY": ENV_KEY})
     corral.expect("proxy.request_failed", "proxy.upstream_failed", "proxy.stream_broken",
@@ -177,6 +179,24 @@ def test_a_token_flag_in_args_is_refused_without_quoting_it(tmp_path: Path) -> N
         assert _in_clear(str(caught.value)) == [] and _in_clear(str(caught.value.__cause__)) == []
 
 
+def test_a_config_others_can_read_with_a_secret_in_it_is_named(tmp_path: Path) -> None:
+    def check(text: str, mode: int) -> str:
+        path = tmp_path / "corral.yaml"
+        path.write_text(text)
+        path.chmod(mode)
+        done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "check",
+                               "--no-files", str(path)], capture_output=True, text=True,
+                              env={**os.environ, "CORRAL_TEST_KEY": ENV_KEY}, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert _in_clear(done.stdout + done.stderr) == [], done.stderr
+        return done.stderr
+
+    inline = yaml.safe_dump({"api_keys": [USER_KEY], "models": {}})
+    assert "(mode 0644): every local user can read" in check(inline, 0o644)
+    assert check(inline, 0o640) == ""  # root:corral 0640: the service's group only
+    assert check("api_keys: ['${CORRAL_TEST_KEY}']\nmodels: {}\n", 0o644) == ""
+
+
 def _events(corral: Corral) -> str:
     """The event feed's history (it then stays open: read until it goes quiet)."""
     got = b""
@@ -230,4 +250,7 @@ def test_nothing_corral_wrote_or_serves_holds_a_secret(corral: Corral) -> None:
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     corral.proc.send_signal(signal.SIGTERM)
     corral.proc.wait(60)
-    assert [m for m in markers if m in corral.log_path.read_text()] == []
+    log = corral.log_path.read_text()
+    assert [m for m in markers if m in log] == []
+    assert [e["file"] for e in corral.log_events("config.secrets_readable")] == [
+        str(corral.config_path)]
