@@ -1,6 +1,7 @@
-"""Prometheus exposition (prometheus_client): requests and their timings, from the proxy;
-starts, stops, reloads and group outcomes, from the daemon's events; state, queues and memory,
-read from the daemon at scrape time.
+"""Prometheus exposition (prometheus_client): requests and their timings, from the proxy (kept
+as plain numbers by proxy/request_metrics, folded in at scrape time); starts, stops, reloads
+and group outcomes, from the daemon's events; state, queues and memory, read from the daemon
+at scrape time.
 
 One registry per app, not prometheus_client's global one: no state outside the daemon's
 objects, and two corrals in one process (the tests) do not share counters. Label sets are
