@@ -197,6 +197,19 @@ def test_a_config_others_can_read_with_a_secret_in_it_is_named(tmp_path: Path) -
     assert check("api_keys: ['${CORRAL_TEST_KEY}']\nmodels: {}\n", 0o644) == ""
 
 
+def test_a_watching_manifest_given_its_key_in_argv_says_where_it_belongs() -> None:
+    def manifest(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "corral.supervisor.cli", "fleet",
+                               "manifest", "http://127.0.0.2:1", "--watch", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr  # no --out: refused before any poll
+        return done.stderr
+
+    assert "--api-key shows in `ps`" in manifest("--api-key", USER_KEY)
+    assert "CORRAL_API_KEY instead" in manifest("--api-key", USER_KEY)
+    assert "`ps`" not in manifest()
+
+
 def _events(corral: Corral) -> str:
     """The event feed's history (it then stays open: read until it goes quiet)."""
     got = b""

@@ -183,12 +183,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  help=f"seconds between polls under --watch (default: "
                                       f"{DEFAULT_INTERVAL:g})")
     manifest_parser.add_argument("--api-key",
-                                 help="the nodes' API key (default: CORRAL_API_KEY)")
+                                 help="the nodes' API key (default: CORRAL_API_KEY; prefer "
+                                      "that: a command line is every local user's to read)")
 
 
 def run(args: argparse.Namespace) -> int:
     """`corral fleet manifest`: exit 0, or 1 when no node answered (without --watch), 2 on
     bad arguments."""
+    if args.api_key and args.watch:
+        # Every local user reads a process's argv (ps), for as long as --watch runs.
+        _say("warning: --api-key shows in `ps` to every local user while this runs: "
+             "give the key in CORRAL_API_KEY instead")
     if args.watch and args.out is None:
         print("error: --watch needs --out FILE (the file smg watches)", file=sys.stderr)
         return int(Exit.USAGE)
