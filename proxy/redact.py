@@ -4,6 +4,7 @@ began, and their words go on to the client and into the log."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 REDACTED = b"[redacted]"
@@ -12,9 +13,16 @@ _SHORTEST = 8
 
 
 def secrets_of(headers: Mapping[str, str]) -> list[bytes]:
-    """The secret part of each header corral sends (`Authorization: Bearer <key>`: the key)."""
-    found = (value.rpartition(" ")[2].encode() for value in headers.values())
-    return [secret for secret in found if len(secret) >= _SHORTEST]
+    """The secret part of each header corral sends (`Authorization: Bearer <key>`: the key),
+    as it is and as a JSON string quotes it (a `/` as `\\/`, as PHP's encoder writes it)."""
+    found: dict[bytes, None] = {}
+    for value in headers.values():
+        secret = value.rpartition(" ")[2]
+        if len(secret) >= _SHORTEST:
+            quoted = json.dumps(secret)[1:-1]
+            for form in (secret, quoted, quoted.replace("/", "\\/")):
+                found[form.encode()] = None
+    return list(found)
 
 
 def without_secrets(payload: bytes, headers: Mapping[str, str]) -> bytes:

@@ -25,7 +25,7 @@ import yaml
 from fake_upstream import exchanges
 from raw_server import RawServer
 
-from corral.proxy.redact import StreamRedactor
+from corral.proxy.redact import StreamRedactor, without_secrets
 from corral.supervisor.config import ConfigError, parse_config
 
 from conftest import Corral, CorralFactory, tiny_config, wait_until
@@ -163,6 +163,10 @@ def test_the_redactor_finds_a_key_cut_anywhere() -> None:
         out = b"".join(redactor.feed(stream[i:i + size]) for i in range(0, len(stream), size))
         out += redactor.flush()
         assert out == stream.replace(key, b"[redacted]"), size
+    # A key as a JSON string quotes it, `/` escaped as PHP's encoder writes it.
+    headers = {"Authorization": "Bearer abc/def+ghi"}
+    quoted = b'{"error": {"message": "key abc\\/def+ghi refused"}}'
+    assert without_secrets(quoted, headers) == b'{"error": {"message": "key [redacted] refused"}}'
     # A chunk that ends like the key begins is held back only that far, and let go whole.
     redactor = StreamRedactor([key])
     assert redactor.feed(b"data: sk-01") == b"data: "
