@@ -28,7 +28,7 @@ from raw_server import RawServer
 from corral.proxy.redact import StreamRedactor, without_secrets
 from corral.supervisor.config import ConfigError, parse_config
 
-from conftest import Corral, CorralFactory, tiny_config, wait_until
+from conftest import Corral, CorralFactory, llama_server_binary, tiny_config, wait_until
 
 REMOTE_KEY = "sk-remote-MARKER-5e1f0a9c77"
 USER_KEY = "sk-user-MARKER-0b3d9e2a41"
@@ -107,6 +107,12 @@ def corral(start_corral_module: CorralFactory, remote: Remote,
                            "served_name": "echo"}
     config = tiny_config(tiny_models, api_keys=[USER_KEY], admin_api_keys=[ADMIN_KEY])
     config["models"].update(remotes)
+    # A command child told to require the key corral sends it, which it finds in its
+    # environment: a shell puts it where llama-server reads one, and no argv shows it.
+    config["models"]["guarded"] = {"backend": "command", "command": [
+        "/bin/sh", "-c", 'LLAMA_API_KEY="$CORRAL_CHILD_API_KEY" exec '
+        f'{llama_server_binary()} --model {tiny_models["tiny-a"]} --port ${{PORT}} '
+        "--ctx-size 512"]}
     config["groups"] = {"council": {"type": "consensus", "models": ["fine"],
                                     "synthesizer": "echo", "expose_as_model": True}}
     path = tmp_path_factory.mktemp("markers") / "corral.yaml"
@@ -225,10 +231,22 @@ def _events(corral: Corral) -> str:
     return got.decode()
 
 
-def _child_key(corral: Corral) -> str:
-    pid = corral.model("tiny-a")["pid"]
+def test_a_command_child_gets_its_key_in_its_environment_only(corral: Corral) -> None:
+    assert corral.chat("guarded").status_code == 200  # corral's key is the one it requires
+    port = corral.model("guarded")["port"]
+    # Not another local user: the port alone is no way in.
+    direct = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=30)
+    assert direct.status_code == 401, direct.text
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert _child_key(corral, "guarded", "CORRAL_CHILD_API_KEY") not in ps.stdout
+
+
+def _child_key(corral: Corral, model: str = "tiny-a", name: str = "LLAMA_API_KEY") -> str:
+    pid = corral.model(model)["pid"]
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    found = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"LLAMA_API_KEY=")]
+    found = [e.split(b"=", 1)[1].decode() for e in environ
+             if e.startswith(name.encode() + b"=")]
     assert found, "the child got no key of its own"
     return found[0]
 

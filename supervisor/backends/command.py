@@ -14,6 +14,8 @@ __all__ = ["PORT_MACRO", "Command"]
 
 # Left alone by the YAML loader's ${VAR} expansion (config/yaml.py RESERVED).
 PORT_MACRO = "${PORT}"
+# Where a command child finds the API key corral sends it.
+CHILD_KEY_ENV = "CORRAL_CHILD_API_KEY"
 MIB = 1 << 20
 # What servers built on uvicorn, cpp-httplib, Go's net/http and Node say when the port is taken.
 _PORT_TAKEN = re.compile(r"address already in use|couldn't bind|error while attempting to bind"
@@ -34,9 +36,11 @@ class Command:
         return [arg.replace(PORT_MACRO, str(port)) for arg in spec.command]
 
     def auth_env(self, api_key: str) -> dict[str, str]:
-        # An arbitrary server reads no key corral could give it: its port is guarded by
-        # nothing but 127.0.0.1 (README says so). The header corral sends is harmless.
-        return {}
+        # The key corral sends this child (Authorization: Bearer), for a server that can be
+        # told to require one: in its environment, never its argv (every local user reads
+        # argv in ps), e.g. `sh -c 'API_KEY="$CORRAL_CHILD_API_KEY" exec server ...'`. A
+        # server that reads none is guarded by nothing but 127.0.0.1 (docs/backends.md).
+        return {CHILD_KEY_ENV: api_key}
 
     def env(self, spec: ModelSpec) -> dict[str, str]:
         return dict(spec.env)
