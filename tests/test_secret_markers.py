@@ -273,7 +273,7 @@ def test_nothing_corral_wrote_or_serves_holds_a_secret(corral: Corral) -> None:
     served = [corral.http.get(path).text for path in (
         "/admin/config", "/admin/models", "/admin/requests?limit=500", "/metrics", "/health",
         "/v1/models", "/admin/models/tiny-a/logs", "/admin/models/echo/logs")]
-    served.append(_events(corral))
+    served += [_events(corral), refused.text]
     served.append(httpx.get(corral.url + "/admin/config",
                             headers={"Authorization": "Bearer sk-wrong-key-0000"}).text)
     for text in served:
