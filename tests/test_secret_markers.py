@@ -220,6 +220,13 @@ def test_a_watching_manifest_given_its_key_in_argv_says_where_it_belongs() -> No
     assert "`ps`" not in manifest()
 
 
+def test_the_unit_sets_no_secret_where_systemctl_show_prints_it() -> None:
+    unit = (Path(__file__).resolve().parent.parent / "systemd" / "corral.service").read_text()
+    lines = [line.strip() for line in unit.splitlines() if not line.lstrip().startswith("#")]
+    assert [line for line in lines if line.startswith("Environment=")] == []
+    assert not any(word in line for line in lines for word in ("KEY", "TOKEN", "SECRET"))
+
+
 def _events(corral: Corral) -> str:
     """The event feed's history (it then stays open: read until it goes quiet)."""
     got = b""
