@@ -150,8 +150,9 @@ async def relay(request: web.Request, pool: ChildPool, body: bytes, model: str, 
                 payload = await upstream.read(answer_limit)
             except ChildHttpError as exc:
                 raise _child_broken(model, exc, "while answering") from exc
-            if upstream.status >= 300:
-                payload = without_secrets(payload, lease.headers)  # a remote may quote its key
+            # A remote may quote its key, in an error some send with a 200 too.
+            if upstream.status >= 300 or lease.pid is None:
+                payload = without_secrets(payload, lease.headers)
             if record is not None:
                 record.first_bytes()
                 if lease.restored is not None:
@@ -355,8 +356,8 @@ async def post_json(pool: ChildPool, path: str, payload: dict[str, Any], model: 
         raise
     upstream.release()
     failed = upstream.status != 200
-    if failed:
-        raw = without_secrets(raw, lease.headers)  # a remote may quote its key
+    if failed or lease.pid is None:  # a remote may quote its key (in a 200 too)
+        raw = without_secrets(raw, lease.headers)
     try:
         data = json.loads(raw) if raw else None
     except (ValueError, RecursionError) as exc:  # a hostile upstream nests deep

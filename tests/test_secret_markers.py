@@ -56,10 +56,10 @@ class Remote(RawServer):
             body = json.loads(raw or b"{}")
             key = headers.get("authorization", "").rpartition(" ")[2]
             model, stream = body.get("model"), body.get("stream")
-            if model == "echo":
-                conn.sendall(_answer("401 Unauthorized", {"error": {
-                    "message": f"Incorrect API key provided: {key}",
-                    "type": "invalid_request_error"}}))
+            if model in ("echo", "echo-200"):  # some send their errors with a 200
+                conn.sendall(_answer("200 OK" if model == "echo-200" else "401 Unauthorized",
+                                     {"error": {"message": f"Incorrect API key provided: {key}",
+                                                "type": "invalid_request_error"}}))
             elif stream:
                 self._stream(conn, model, key)
             else:
@@ -102,7 +102,8 @@ def corral(start_corral_module: CorralFactory, remote: Remote,
            tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Corral:
     base = f"http://127.0.0.1:{remote.port}"
     remotes = {name: {"backend": "remote", "url": base, "api_key": REMOTE_KEY,
-                      "served_name": name} for name in ("echo", "echo-stream", "fine")}
+                      "served_name": name} for name in ("echo", "echo-200", "echo-stream",
+                                                        "fine")}
     remotes["from-env"] = {"backend": "remote", "url": base, "api_key": "${CORRAL_TEST_KEY}",
                            "served_name": "echo"}
     config = tiny_config(tiny_models, api_keys=[USER_KEY], admin_api_keys=[ADMIN_KEY])
@@ -158,6 +159,11 @@ def test_a_synthesizer_that_quotes_its_key_never_shows_it(corral: Corral) -> Non
 def test_a_key_from_the_environment_quoted_back_never_shows(corral: Corral) -> None:
     answer = corral.chat("from-env")
     assert answer.status_code == 502, answer.text
+    assert "[redacted]" in answer.text and _in_clear(answer.text) == [], answer.text
+
+
+def test_an_error_a_remote_sends_with_a_200_never_carries_its_key(corral: Corral) -> None:
+    answer = corral.chat("echo-200")
     assert "[redacted]" in answer.text and _in_clear(answer.text) == [], answer.text
 
 
