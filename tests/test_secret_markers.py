@@ -237,7 +237,7 @@ def _events(corral: Corral) -> str:
     """The event feed's history (it then stays open: read until it goes quiet)."""
     got = b""
     with contextlib.suppress(httpx.ReadTimeout), corral.http.stream(
-            "GET", "/admin/events?last=500", timeout=httpx.Timeout(10, read=2)) as feed:
+            "GET", "/admin/events?last=500", timeout=httpx.Timeout(10, read=5)) as feed:
         for data in feed.iter_bytes():
             got += data
     assert b"event: " in got, got
