@@ -541,3 +541,23 @@ def _load_issues(path: Path) -> list:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     return err.value.issues
+
+
+def test_names_of_dots_alone_or_with_control_characters_are_refused(tmp_path):
+    """A model called `..` could never be loaded, unloaded or followed from a browser or an
+    SDK (they rewrite /admin/models/../load to /admin/load, escaped or not); a control
+    character in a name would forge log lines. Refused where written, for models, aliases
+    and groups alike."""
+    text = GOOD + ("  '..':\n    model: x.gguf\n"
+                   "  other:\n    model: y.gguf\n    aliases: ['.', \"tab\\there\"]\n")
+    issues = _issues(text, tmp_path)
+    assert any("models...: '..' is a path segment clients rewrite" in i for i in issues), issues
+    assert any("models.other.aliases[0]: '.' is a path segment" in i for i in issues), issues
+    assert any("models.other.aliases[1]: 'tab\\there' holds a control character" in i
+               for i in issues), issues
+    issues = _issues(GROUPS.replace("  core:\n", "  '...':\n"), tmp_path)
+    assert any("'...' is a path segment clients rewrite" in i for i in issues), issues
+    # Dots inside a name are fine (a file's name, a version).
+    path = tmp_path / "dotted.yaml"
+    path.write_text(GOOD.replace("  smol:\n", "  .smol.v1.5.:\n"))
+    assert ".smol.v1.5." in load_config(path).models

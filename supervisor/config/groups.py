@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from corral.supervisor.config import jsonpath
 from corral.supervisor.config.issues import ConfigIssue, Loc, dotted
+from corral.supervisor.config.names import name_problem
 from corral.supervisor.config.schema import Config, GroupConfig
 from corral.supervisor.config.specs import GroupSpec, ModelSpec, VoteSpec
 from corral.supervisor.templates import template_problem
@@ -32,7 +33,10 @@ def resolve_groups(config: Config, models: dict[str, ModelSpec], aliases: dict[s
     pinned: set[str] = set()
     for name, g in config.groups.items():
         at: Loc = ("groups", name)
-        if name in models or name in aliases:
+        bad = name_problem(name)
+        if bad is not None:
+            problem(at, bad)
+        elif name in models or name in aliases:
             problem(at, f"group name {name!r} is already a model name or alias")
         members: list[str] = []
         for i, member in enumerate(g.models):

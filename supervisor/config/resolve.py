@@ -20,6 +20,7 @@ from corral.supervisor.config.issues import (
     pos_for,
 )
 from corral.supervisor.config.loaded import LoadedConfig, PluginChoice
+from corral.supervisor.config.names import name_problem
 from corral.supervisor.config.schema import Config, ModelConfig, ReplicasConfig, ladder_step
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.config.strategy import resolve_strategy
@@ -207,10 +208,17 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
                 model=str(found.path), mmproj=str(found.mmproj) if found.mmproj else None))
 
     aliases: dict[str, str] = {}
+    for name in config.models:
+        bad = name_problem(name)
+        if bad is not None:
+            issues.append(issue_at(filename, lines, ("models", name), bad))
     for name, spec in models.items():
         for i, alias in enumerate(spec.aliases):
             loc: Loc = ("models", name, "aliases", i)
-            if alias in models:
+            bad = name_problem(alias)
+            if bad is not None:
+                issues.append(issue_at(filename, lines, loc, bad))
+            elif alias in models:
                 issues.append(issue_at(filename, lines, loc,
                                        f"alias {alias!r} is already a model name"))
             elif alias in aliases:
