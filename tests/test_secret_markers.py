@@ -211,6 +211,10 @@ def test_a_config_others_can_read_with_a_secret_in_it_is_named(tmp_path: Path) -
     assert "(mode 0644): every local user can read" in check(inline, 0o644)
     assert check(inline, 0o640) == ""  # root:corral 0640: the service's group only
     assert check("api_keys: ['${CORRAL_TEST_KEY}']\nmodels: {}\n", 0o644) == ""
+    # A shipped example's placeholder behind a variable (presets/distributed-rpc.yaml's
+    # `${PEER_TOKEN:-change-me}`): the file asks for the variable, nothing was pasted in.
+    assert check("api_keys: ['${CORRAL_UNSET_KEY:-change-me-please}']\nmodels: {}\n",
+                 0o644) == ""
 
 
 def test_a_watching_manifest_given_its_key_in_argv_says_where_it_belongs() -> None:

@@ -6,6 +6,7 @@ refused: the operator may know the machine has no other users."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,11 @@ from pydantic import BaseModel, SecretStr
 
 from corral.supervisor.config.loaded import LoadedConfig
 from corral.supervisor.config.secrets import SecretOptions
+from corral.supervisor.config.yaml import ENV_REF
 
 __all__ = ["READABLE_HINT", "secrets_readable_by_others"]
 
+_ENV_REF = re.compile(ENV_REF.pattern.encode())  # on the file's bytes
 # Shorter values (a model's `env: {CUDA_VISIBLE_DEVICES: "0"}`, typed secret like every env
 # value) would be found in any file.
 _SHORTEST = 8
@@ -58,6 +61,9 @@ def secrets_readable_by_others(loaded: LoadedConfig) -> list[tuple[Path, int]]:
             text = path.read_bytes()
         except OSError:
             continue
+        # A `${VAR:-placeholder}`'s placeholder is written in clear, but the file asks for
+        # the variable: a shipped example's `change-me` is not a secret pasted in.
+        text = _ENV_REF.sub(b"", text)
         if any(secret in text for secret in secrets):
             found.append((path, mode))
     return found

@@ -20,7 +20,7 @@ from corral.supervisor.config.issues import (
 
 __all__ = ["MAX_FILE_BYTES", "MAX_NODES", "RESERVED", "decode", "read_yaml"]
 
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # Names corral fills in itself when it starts a child (a command model's port), never read from
 # the environment: left as written here, substituted at start (backends/command.py).
 RESERVED = frozenset({"PORT"})
@@ -195,4 +195,4 @@ def _expand_env(value: Any, path: Loc, lines: Lines, filename: str,
         issues.append(issue_at(filename, lines, path, f"environment variable {name} is not set"))
         return ""
 
-    return _ENV_REF.sub(substitute, value)
+    return ENV_REF.sub(substitute, value)
