@@ -6,7 +6,6 @@ and path combinations at it: no state changes without the right key and origin."
 from __future__ import annotations
 
 import http.server
-import shutil
 import socket
 import socketserver
 import threading
@@ -16,9 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
+from chromium import chromium
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser
 
 from conftest import Corral, CorralFactory, tiny_config, wait_until
 
@@ -216,13 +216,9 @@ def _serve(port: int, html: str, status: int = 200) -> socketserver.TCPServer:
 
 @pytest.fixture(scope="module")
 def browser(corral: Corral) -> Iterator[Browser]:
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(
-            executable_path=shutil.which("chromium") or "/usr/bin/chromium",
-            # rebind.test: a name of the attacker's that resolves to 127.0.0.1 (rebinding).
-            args=["--no-sandbox", "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
-        yield chromium
-        chromium.close()
+    # rebind.test: a name of the attacker's that resolves to 127.0.0.1 (rebinding).
+    with chromium("--host-resolver-rules=MAP rebind.test 127.0.0.1") as launched:
+        yield launched
 
 
 def test_pages_from_other_origins_cannot_drive_corral_in_a_real_browser(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
+from chromium import chromium, new_page
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect
 
 from conftest import Corral, CorralFactory, sse_lines, tiny_config, wait_until
 
@@ -40,22 +40,14 @@ def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path]) -> 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        chromium = p.chromium.launch(
-            executable_path=shutil.which("chromium") or "/usr/bin/chromium",
-            args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(UI_WAIT_MS)
-    yield page
-    context.close()
+    with new_page(browser, UI_WAIT_MS) as opened:
+        yield opened
 
 
 def test_the_page_is_public_static_and_locked_down(corral: Corral) -> None:

@@ -9,7 +9,6 @@ the admin key lives as long as the tab, never on disk."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +18,8 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
+from chromium import chromium, new_page
+from playwright.sync_api import Browser, Page, Route, expect
 
 from conftest import Corral, CorralFactory
 
@@ -55,22 +55,14 @@ def corral(start_corral_module: CorralFactory) -> Corral:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        chromium = p.chromium.launch(
-            executable_path=shutil.which("chromium") or "/usr/bin/chromium",
-            args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(UI_WAIT_MS)
-    yield page
-    context.close()
+    with new_page(browser, UI_WAIT_MS) as opened:
+        yield opened
 
 
 def open_page(corral: Corral, page: Page, problems: list[str]) -> None:
