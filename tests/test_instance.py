@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -16,8 +17,22 @@ from corral.supervisor.backends.llama_server import LlamaServer
 from corral.supervisor.config import parse_config
 from corral.supervisor.instance import Instance, State
 from corral.supervisor.instance import launch as instance_module
+from corral.supervisor.listener import process_listens
 
-from conftest import llama_server_binary
+from conftest import llama_server_binary, wait_until
+
+
+def _first_pick_is(taken: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The port picker hands out `taken` first, then free ports: the ports it handed out."""
+    picked: list[int] = []
+    real_free_port = instance_module.free_port
+
+    def pick() -> int:
+        picked.append(taken if not picked else real_free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(instance_module, "free_port", pick)
+    return picked
 
 
 def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):
@@ -27,14 +42,7 @@ def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     taken = squatter.getsockname()[1]
-    picked: list[int] = []
-    real_free_port = instance_module.free_port
-
-    def pick() -> int:
-        picked.append(taken if not picked else real_free_port())
-        return picked[-1]
-
-    monkeypatch.setattr(instance_module, "free_port", pick)
+    picked = _first_pick_is(taken, monkeypatch)
     spec = parse_config(f"models: {{a: {{model: '{tiny_models['tiny-a']}'}}}}").models["a"]
 
     async def run() -> None:
@@ -55,27 +63,33 @@ def test_start_retries_once_when_its_port_was_taken(tiny_models, monkeypatch):
         squatter.close()
 
 
+def _stranger(model: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A llama-server of someone else's (its own key) listening on a port of its own. The
+    port is picked, then bound by the server: another test worker may take it in between,
+    and then the server exits on its bind and another port is tried."""
+    for _ in range(5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = subprocess.Popen(
+            [llama_server_binary(), "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--api-key", "someone-elses"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_until(lambda server=server, port=port: server.poll() is not None
+                   or process_listens(server.pid, port), timeout=60)
+        if server.poll() is None:
+            return server, port
+    raise AssertionError("no port held by the stranger in five tries")
+
+
 def test_a_stranger_that_answers_on_the_picked_port_is_not_taken_for_the_child(
         tiny_models, monkeypatch):
     """Another daemon's llama-server (its own key) took the port corral picked before the
     child bound it. Its /health answers 200 like the child's would: corral must not go READY
     in front of it (every request would get its 401), but retry on another port. The port
     picker is the only stand-in; the stranger is a real llama-server."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        taken = s.getsockname()[1]
-    stranger = subprocess.Popen(
-        [llama_server_binary(), "--model", str(tiny_models["tiny-b"]), "--host", "127.0.0.1",
-         "--port", str(taken), "--api-key", "someone-elses"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    picked: list[int] = []
-    real_free_port = instance_module.free_port
-
-    def pick() -> int:
-        picked.append(taken if not picked else real_free_port())
-        return picked[-1]
-
-    monkeypatch.setattr(instance_module, "free_port", pick)
+    stranger, taken = _stranger(tiny_models["tiny-b"])
+    picked = _first_pick_is(taken, monkeypatch)
     spec = parse_config(f"models: {{a: {{model: '{tiny_models['tiny-a']}'}}}}").models["a"]
 
     async def run() -> None:
