@@ -180,22 +180,23 @@ def test_an_unload_while_the_overrides_are_checked_wins(corral: Corral, gate: Ga
 def test_an_unload_during_a_restart_with_overrides_wins(corral: Corral):
     """A restart with new settings drains the old child (a stream holds it); a forced unload
     meanwhile stops everything, and the load answers 503 model_unloaded (not a 500, not a
-    hang-up), the model stopped."""
+    hang-up), the model stopped. On `other`: room for a stream that outlasts the restart's
+    start (tiny's 1,024 tokens could all be written before it, and then nothing drains)."""
     corral.expect(allow="was unloaded while this load was under way")
-    assert load(corral, "tiny").status_code == 200
-    with streaming(corral, "tiny") as lines:
+    assert load(corral, "other").status_code == 200
+    with streaming(corral, "other") as lines:
         thread, out = in_background(
-            lambda: load(corral, "tiny", {"ctx": 2048, "restart": True}))
-        wait_until(lambda: corral.model("tiny")["model_state"] == "restarting")
-        assert corral.http.post("/admin/models/tiny/unload?force=1").status_code == 200
+            lambda: load(corral, "other", {"ctx": 2048, "restart": True}))
+        wait_until(lambda: corral.model("other")["model_state"] == "restarting")
+        assert corral.http.post("/admin/models/other/unload?force=1").status_code == 200
         thread.join(60)
         for _ in lines:  # cut by the forced unload: what matters is the load's answer
             pass
     answer = out[0]
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "model_unloaded"
-    wait_until(lambda: corral.model("tiny")["state"] == "stopped")
-    assert corral.model("tiny")["wish"] == "absent"
+    wait_until(lambda: corral.model("other")["state"] == "stopped")
+    assert corral.model("other")["wish"] == "absent"
 
 
 # -- two loads ------------------------------------------------------------------------------------
