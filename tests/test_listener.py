@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from corral.supervisor.listener import held_by_stranger, process_listens
+from corral.supervisor.listener import held_by_stranger, process_listens, says_it_listens
 
 from conftest import wait_until
 
@@ -102,3 +102,15 @@ def test_a_child_that_is_gone_holds_nothing(processes) -> None:
     child.kill()
     child.wait()
     assert held_by_stranger(child.pid, port, binds_itself=False)
+
+
+def test_a_childs_own_line_that_it_listens_on_the_port_is_proof_enough() -> None:
+    """llama-server's and uvicorn's lines, printed once bound, for exactly that port; a bind
+    failure or another port's line is no proof (the tables are asked then)."""
+    assert says_it_listens(["I srv  llama_server: listening on http://127.0.0.1:18555"], 18555)
+    assert says_it_listens(["INFO:     Uvicorn running on http://127.0.0.1:8000 (Press "
+                            "CTRL+C to quit)"], 8000)
+    assert not says_it_listens(["listening on http://127.0.0.1:185551"], 18555)
+    assert not says_it_listens(["listening on http://127.0.0.1:8000"], 8001)
+    assert not says_it_listens(["couldn't bind HTTP server socket, hostname: 127.0.0.1, "
+                                "port: 8000"], 8000)

@@ -20,7 +20,7 @@ from corral.supervisor.backends.base import Backend, BinaryNotFound
 from corral.supervisor.config import ModelSpec
 from corral.supervisor.errors import StartFailed, StartTimedOut, WorkersUnavailable
 from corral.supervisor.events import EventBus
-from corral.supervisor.listener import held_by_stranger
+from corral.supervisor.listener import held_by_stranger, says_it_listens
 from corral.supervisor.memory.estimate import EstimateError
 from corral.supervisor.process import (
     ChildExited,
@@ -279,8 +279,8 @@ class Launch:
             if not await answers(timeout):
                 return False
             pid = process.pid
-            if pid is None or not await asyncio.to_thread(held_by_stranger, pid, port,
-                                                          binds_itself):
+            if pid is None or says_it_listens(process.logs, port) or \
+                    not await asyncio.to_thread(held_by_stranger, pid, port, binds_itself):
                 return True
             if not warned:
                 warned = True
