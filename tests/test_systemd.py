@@ -411,7 +411,10 @@ def test_status_is_coalesced_and_ends_on_the_last_state(receiver: Receiver) -> N
     statuses = [m for m in receiver.since(0) if m.only_status]
     assert 2 <= len(statuses) <= 5, [m.status for m in statuses]
     gaps = [b.at - a.at for a, b in itertools.pairwise(statuses)]
-    assert all(gap >= 0.18 for gap in gaps), gaps
+    # Sent at least status_interval (0.2 s) apart; received here by a thread a busy box may
+    # wake late, so a gap can look shorter (0.173 s seen): half the interval still tells
+    # coalescing (uncoalesced, the burst's statuses would come 0.01 s apart).
+    assert all(gap >= 0.1 for gap in gaps), gaps
     assert statuses[-1].status == "1 loaded (a), 0 starting, 0 in flight, 0 queued"
 
 
