@@ -8,7 +8,9 @@ Each request has its own prompt (users do not share one): the prompt cache pins 
 
     python bench/ttft_concurrency.py [--model tiny|smol] [--parallel 128]
                                      [--streams 32,128] [--tokens 32] [--rounds 2]
-                                     [--cache on,off]
+                                     [--cache on,off] [--workers N]
+
+`--workers N`: corral with `relay_workers: N` (its CPU then counts the workers' too).
 
 Targets (issue 37): TTFT p50 through corral <= direct + 5 ms, tokens/s >= 0.97 of direct,
 CPU <= 20 us per chunk. On a 2-core VM the client, the child and corral share two cores: the
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 
 from _harness import (
     NGINX_MISSING,
@@ -100,8 +103,16 @@ async def _batch(session: aiohttp.ClientSession, to: Endpoint, streams: int, tok
     return [t for t, _ in got], sum(n for _, n in got), time.perf_counter() - began
 
 
+def _corral_pids(corral_pid: int) -> list[int]:
+    """The daemon and its relay workers (relay_workers), whose CPU is corral's."""
+    workers = [p.pid for p in psutil.Process(corral_pid).children()
+               if "corral.proxy.workers.main" in " ".join(p.cmdline())]
+    return [corral_pid, *workers]
+
+
 async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tokens: int,
                   rounds: int) -> dict[str, object]:
+    pids = _corral_pids(corral_pid)
     ttft: dict[str, list[float]] = {name: [] for name in paths}
     rates: list[float] = []
     nginx_rates: list[float] = []
@@ -119,12 +130,12 @@ async def measure(paths: dict[str, Endpoint], corral_pid: int, streams: int, tok
             order = names[r % len(names):] + names[:r % len(names)]  # each path first in turn
             rate: dict[str, float] = {}
             for name in order:
-                before = cpu_seconds([corral_pid])
+                before = cpu_seconds(pids)
                 t, events, wall = await _batch(session, paths[name], streams, tokens, n,
                                                timings if name == "corral" else None)
                 n += streams
                 if name == "corral":
-                    cpu += cpu_seconds([corral_pid]) - before
+                    cpu += cpu_seconds(pids) - before
                     relayed += events
                 ttft[name] += t
                 rate[name] = events / wall
@@ -153,6 +164,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache", default="on,off", help="the prompt cache: on, off or both")
+    parser.add_argument("--workers", type=int, default=0, help="corral's relay_workers")
     args = parser.parse_args()
     counts = [int(s) for s in args.streams.split(",")]
     # Each slot holds its prompt (~30 tokens) and its answer.
@@ -164,7 +176,8 @@ def main() -> None:
             sys.exit(f"{model} missing: run `make demo-model`")
         for cache in args.cache.split(","):
             config: dict[str, object] = {"prompt_cache": {"enabled": cache == "on"},
-                                         "defaults": {"max_queue": 4096}}
+                                         "defaults": {"max_queue": 4096},
+                                         "relay_workers": args.workers}
             # llama-server's own HTTP threads (parallel + 2 by default): every stream is
             # taken at once, on both paths.
             served = (_fake(args.parallel, args.pace_us, config) if args.fake else
@@ -186,7 +199,7 @@ def main() -> None:
                 f"model {args.model} ({model.name}), one llama-server child with --parallel "
                 f"{args.parallel}, ctx {ctx}")
     print(f"{upstream}; {args.tokens} tokens a stream (ignore_eos), every prompt distinct; "
-          f"{args.rounds} rounds, paths alternating")
+          f"{args.rounds} rounds, paths alternating; corral's relay_workers: {args.workers}")
     print(f"{'cache':5s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
           f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}   "
           f"{'nginx added p50':>15s} {'tok/s':>6s}")

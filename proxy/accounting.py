@@ -13,7 +13,7 @@ from aiohttp import web
 
 from corral.proxy.capabilities import POSTED
 from corral.proxy.edge import REFUSED
-from corral.proxy.metrics import UNKNOWN_MODEL, Metrics
+from corral.proxy.metrics import UNKNOWN_MODEL, Metrics, model_label
 from corral.proxy.mount import inner_path
 from corral.proxy.timing import RequestRecord
 from corral.supervisor.port import Supervisor
@@ -29,25 +29,13 @@ CLIENT_GONE = 499
 MOST_RECENT = 1000
 
 
-class Accounting:
-    def __init__(self, daemon: Supervisor, keep: int = MOST_RECENT) -> None:
-        self.daemon = daemon
-        self.metrics = Metrics(daemon)
-        self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)
+class RequestAccounts:
+    """A model request's record, finished once however the request ends: the daemon books it
+    (Accounting), a relay worker ships it to the daemon (proxy/workers)."""
 
     def finish(self, record: RequestRecord, status: int, refused: bool = False) -> None:
         """`refused`: by the edge (a web page's request: proxy/edge.REFUSED)."""
-        record.finish(status)
-        # A client's string never becomes a label or a key.
-        record.model = self.metrics.model_label(record.model)
-        self.metrics.observe(record)
-        if record.status == 401 or refused:
-            return  # counted; an anonymous flood writes no log line, event or list entry
-        self.recent.append(record)
-        summary = record.as_dict()
-        log.info("proxy.request", **{k: v for k, v in summary.items()
-                                     if v is not None and k != "time"})
-        self.daemon.events.publish("request", history=False, **summary)
+        raise NotImplementedError
 
     async def account(self, request: web.Request,
                       answer: Callable[[web.Request, Handler], Awaitable[web.StreamResponse]],
@@ -74,6 +62,32 @@ class Accounting:
             status = 200  # its last write failed, after the whole answer went out
         self.finish(record, status, refused=request.get(REFUSED, False))
         return response
+
+
+
+class Accounting(RequestAccounts):
+    def __init__(self, daemon: Supervisor, keep: int = MOST_RECENT) -> None:
+        self.daemon = daemon
+        self.metrics = Metrics(daemon)
+        self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=keep)
+
+    def finish(self, record: RequestRecord, status: int, refused: bool = False) -> None:
+        record.finish(status)
+        # A client's string never becomes a label or a key.
+        record.model = model_label(self.daemon, record.model)
+        self.book(record, refused)
+
+    def book(self, record: RequestRecord, refused: bool) -> None:
+        """A finished record, labelled: counted, and (unless refused) logged, listed and
+        published. A relay worker's records are booked here too, as they arrive."""
+        self.metrics.observe(record)
+        if record.status == 401 or refused:
+            return  # counted; an anonymous flood writes no log line, event or list entry
+        self.recent.append(record)
+        summary = record.as_dict()
+        log.info("proxy.request", **{k: v for k, v in summary.items()
+                                     if v is not None and k != "time"})
+        self.daemon.events.publish("request", history=False, **summary)
 
     def recent_requests(self, limit: int) -> list[dict[str, Any]]:
         return [r.as_dict() for r in list(self.recent)[-limit:]]

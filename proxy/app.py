@@ -26,7 +26,7 @@ from corral.proxy import (
 )
 from corral.proxy import mount as model_mount
 from corral.proxy.access import ADMIN, CALLER
-from corral.proxy.accounting import RECORD, Accounting
+from corral.proxy.accounting import RECORD, Accounting, RequestAccounts
 from corral.proxy.child_http import ChildPool
 from corral.proxy.edge import REFUSED as EDGE_REFUSED
 from corral.proxy.edge import Edge
@@ -69,6 +69,10 @@ NODE_HEADER = "X-Corral-Node"
 # Whether the response's head went out (a stream began): no second response after that.
 STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 
+# A relay worker's request that the daemon answers (proxy/workers/forward.py): the daemon
+# accounts for it and heads its answer.
+FORWARDED: web.RequestKey[bool] = web.RequestKey("forwarded", bool)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -86,7 +90,7 @@ def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Applic
         # would otherwise be refused below the middlewares, in plain text. read_json_body
         # refuses compressed bodies itself, in the OpenAI shape.
         handler_args={"auto_decompress": False},
-        middlewares=[_front_middleware(daemon, accounting, edge)],
+        middlewares=[front_middleware(daemon, accounting, edge)],
     )
     app[DAEMON] = daemon
     app[EDGE] = edge
@@ -95,7 +99,7 @@ def create_app(daemon: Supervisor, listen_host: str | None = None) -> web.Applic
     app[client_io.DEADLINE] = client_io.WriteDeadline(
         seconds=lambda: daemon.loaded.config.client_write_timeout,
         stalled=accounting.metrics.client_stalled)
-    app.on_response_prepare.append(_send_request_id)
+    app.on_response_prepare.append(send_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", accounting.metrics.handler)
     models_api.add_routes(app, DAEMON)
@@ -129,14 +133,14 @@ async def _upstream_session(app: web.Application) -> Any:
 
 # -- middlewares -------------------------------------------------------------------------------
 
-def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) -> Any:
+def front_middleware(daemon: Supervisor, accounting: RequestAccounts, edge: Edge) -> Any:
     """Every request's way in, outermost first: its id (X-Request-Id, bound to every log line),
     the accounting of a model request, answers in the OpenAI error shape for whatever goes
     wrong, the edge (Host, Origin, content type: proxy/edge.py) and the API keys. One aiohttp
     middleware rather than five: each costs a partial, a coroutine and an await per request,
     and they have no order to change."""
     ids = request_id.Ids()
-    refused = _auth_check(daemon)
+    refused = auth_check(daemon)
 
     async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -181,10 +185,12 @@ def _front_middleware(daemon: Supervisor, accounting: Accounting, edge: Edge) ->
 _MODEL_REQUESTS = ("/v1/", model_mount.PREFIX)
 
 
-async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+async def send_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # A signal, not the middleware: a streamed response sends its headers before the
     # handler returns.
     request[STARTED] = True
+    if request.get(FORWARDED):
+        return  # a relay worker's: the daemon's answer, which has these already
     request.app[EDGE].add_cors(request, response)
     ui.guard_answer(request, response)
     # Which node answered: behind a router (docs/fleet.md), where the request ran. Not on
@@ -236,7 +242,7 @@ def _failure(daemon: Supervisor, exc: SupervisorError | UpstreamFailed) -> web.R
     return http_error(exc)
 
 
-def _auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | None]:
+def auth_check(daemon: Supervisor) -> Callable[[web.Request], web.Response | None]:
     """The keys' check: None when `request` may go on (and request[ADMIN] set), else the 401."""
     # The keys of the config active now (a reload may change them), worked out once per config.
     cache: dict[str, Any] = {}
@@ -350,7 +356,7 @@ def requested_model(body: dict[str, Any]) -> str:
 # The paths relayed to a child: /v1/ and plain segments. No dot segments, no percent
 # signs, no query: a path that the client (or yarl) would normalise into another endpoint of
 # the child (/v1/../slots) never leaves corral.
-_RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
+RELAYABLE = re.compile(r"/v1(?:/[A-Za-z0-9_-]+)+")
 
 
 async def relay_openai(request: web.Request, mount: str | None = None) -> web.StreamResponse:
@@ -358,7 +364,7 @@ async def relay_openai(request: web.Request, mount: str | None = None) -> web.St
     which the body's `model` must name, or stands for when the body has none."""
     daemon = request.app[DAEMON]
     record = request[RECORD]
-    if not _RELAYABLE.fullmatch(request.path):
+    if not RELAYABLE.fullmatch(request.path):
         raise web.HTTPNotFound()
     raw, body = await read_json_body(request)
     if mount is not None:
@@ -383,7 +389,16 @@ async def relay_openai(request: web.Request, mount: str | None = None) -> web.St
             if family == "responses" and (exc.param or "").startswith("messages"):
                 exc.param = "input"
             raise
-    canonical = record.model = target.name
+    return await relay_to_model(request, raw, body, target.name)
+
+
+async def relay_to_model(request: web.Request, raw: bytes, body: dict[str, Any],
+                         canonical: str, loading_progress: bool = True) -> web.StreamResponse:
+    """A request for one configured model (`canonical`), its body read (`raw`, parsed
+    `body`): checked against the model's spec and relayed to a child of it (the daemon's
+    way and a relay worker's: proxy/workers, which leaves `loading_progress` to the daemon)."""
+    daemon, record = request.app[DAEMON], request[RECORD]
+    record.model = canonical
     spec = daemon.spec(canonical)
     # Only what its backend serves (proxy/capabilities.py): a 404 before anything starts.
     capabilities.refuse_path(spec, request.path)
@@ -396,11 +411,12 @@ async def relay_openai(request: web.Request, mount: str | None = None) -> web.St
     filtered = filters.apply(body, spec.request, request.path)
     raw = upstream_body(raw, filtered, canonical, changed=filtered is not body)
     body = filtered
-    if not daemon.ready_now(canonical) and progress.wanted(request, body, spec.loading_progress):
+    if loading_progress and not daemon.ready_now(canonical) \
+            and progress.wanted(request, body, spec.loading_progress):
         return await _relay_after_progress(request, canonical, raw)
     async with leased(daemon, canonical) as lease:
         record.leased(lease)
-        # request.path was checked against _RELAYABLE above.
+        # request.path was checked against RELAYABLE above.
         response = await relay(request, request.app[CHILDREN], raw, canonical, lease, record,
                                parsed=_as_sent(body, canonical),
                                answer_limit=_answer_limit(daemon))

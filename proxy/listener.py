@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from typing import Any
 
 import structlog
@@ -84,6 +85,23 @@ def runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
                          **kwargs)
 
 
+def hold_port(host: str, port: int) -> socket.socket:
+    """host:port bound, not listening, for the relay workers to listen on (SO_REUSEPORT, this
+    user's processes only): a port in use fails here, at the daemon's start, and nothing of
+    another user's can take it while corral runs. A socket that does not listen is given no
+    connections: they all go to the workers. Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    held = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind((host, port))
+    except OSError:
+        held.close()
+        raise
+    return held
+
+
 class Listener:
     """Serves `app_runner`'s app on host:port with at most `limit` client connections (the
     rest cut at once; None: connection_limit() at each accept, so a descriptor limit raised
@@ -91,8 +109,11 @@ class Listener:
     cap needs the accept, and aiohttp offers no hook there."""
 
     def __init__(self, app_runner: web.AppRunner, host: str, port: int,
-                 limit: int | None = None) -> None:
+                 limit: int | None = None, reuse_port: bool = False) -> None:
+        """`reuse_port`: the port is shared with the relay workers (SO_REUSEPORT: the kernel
+        spreads new connections over every socket bound to it)."""
         self._runner = app_runner
+        self._reuse_port = reuse_port
         self._host = host
         self._port = port
         self.limit = limit
@@ -106,7 +127,8 @@ class Listener:
         # default is 100, web.TCPSite's 128) drops SYNs past it, and a dropped SYN costs the
         # client a 1 s retransmit before its first token. The kernel caps it at somaxconn.
         self._server = await loop.create_server(self._protocol, self._host, self._port,
-                                                reuse_address=True, backlog=BACKLOG)
+                                                reuse_address=True, backlog=BACKLOG,
+                                                reuse_port=self._reuse_port or None)
 
     async def stop(self) -> None:
         """No new connections; open ones stay, for the runner's shutdown."""

@@ -28,6 +28,14 @@ UNKNOWN_MODEL = "_unknown"
 # A stream that answers for no model (GET /admin/events).
 NO_MODEL = "_none"
 
+def model_label(daemon: Supervisor, name: str) -> str:
+    """A request's model as a metrics label: a configured model or group, else UNKNOWN_MODEL
+    (a client's string never becomes a label)."""
+    if daemon.resolve(name) == name or name in daemon.loaded.config.groups:
+        return name
+    return UNKNOWN_MODEL
+
+
 class Metrics:
     def __init__(self, daemon: Supervisor) -> None:
         self.daemon = daemon
@@ -103,10 +111,7 @@ class Metrics:
         daemon.events.listen(self.on_event)
 
     def model_label(self, name: str) -> str:
-        daemon = self.daemon
-        if daemon.resolve(name) == name or name in daemon.loaded.config.groups:
-            return name
-        return UNKNOWN_MODEL
+        return model_label(self.daemon, name)
 
     def observe(self, record: RequestRecord) -> None:
         """`record.model` is a label already (model_label): the accounting sets it so."""

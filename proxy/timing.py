@@ -51,6 +51,7 @@ class RequestRecord:
         default_factory=lambda: collections.deque(maxlen=_TAIL_CHUNKS))
     # A whole answer, kept until finish() reads its usage: after it was sent, not before.
     answer: bytes | None = None
+    worker: int | None = None  # the relay worker that served it (None: the daemon itself)
 
     @property
     def wire(self) -> Wire:
@@ -192,6 +193,7 @@ class RequestRecord:
             "tokens_in": self.prompt_tokens, "tokens_out": self.completion_tokens,
             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
             "prompt_cache_tokens": self.restored.tokens if self.restored else None,
+            "worker": self.worker,
         }
 
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -369,7 +370,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
     return uvloop.run(_run(loaded, runtime, host, port, state_file,
-                           _reload_loader(args, listen), watch=not args.no_watch))
+                           _reload_loader(args, listen), watch=not args.no_watch,
+                           log_args=(args.log_level, args.log_format)))
 
 
 def _state_dir(args: argparse.Namespace, loaded: LoadedConfig) -> Path:
@@ -427,11 +429,12 @@ def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
 
 
 async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, state_file: Path,
-               loader: Callable[[], LoadedConfig], watch: bool) -> int:
+               loader: Callable[[], LoadedConfig], watch: bool,
+               log_args: tuple[str, str] = ("info", "auto")) -> int:
     import faulthandler
 
     from corral.proxy import listener
-    from corral.proxy.app import create_app
+    from corral.proxy.app import ACCOUNTING, create_app
     from corral.supervisor.config.watch import watch_config, watch_models_dir
     from corral.supervisor.daemon import Daemon
     from corral.supervisor.daemon.shutdown import HANDLERS_S, TASKS_S, ShutdownBudget
@@ -455,25 +458,54 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         loop.add_signal_handler(signal.SIGHUP, lambda: daemon.reload("sighup"))
         # The drain is the daemon's (Daemon.close, within the shutdown budget): what is still
         # open once the children are gone gets HANDLERS_S, then is cancelled.
-        runner = listener.runner(create_app(daemon, host), handler_cancellation=True,
+        app = create_app(daemon, host)
+        runner = listener.runner(app, handler_cancellation=True,
                                  access_log=None, shutdown_timeout=HANDLERS_S)
         await runner.setup()
-        # Not web.TCPSite: the listener caps client connections (proxy/listener.py).
+        # Before anything answers: a SIGTERM from the moment /health says ok is a stop.
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # Not web.TCPSite: the listener caps client connections (proxy/listener.py). With
+        # relay workers, they listen and the daemon holds the port for them: it answers only
+        # their calls (leases, the requests they forward), so no client's request waits
+        # behind its own.
+        worker_count = loaded.config.relay_workers
         site = listener.Listener(runner, host, port)
+        held: socket.socket | None = None
         try:
-            await site.start()
+            if worker_count:
+                held = listener.hold_port(host, port)
+            else:
+                await site.start()
         except OSError as exc:
             log.error("corral.listen_failed", listen=f"{host}:{port}", error=str(exc))
             await daemon.close(0)
             await runner.cleanup()
             return 1
+        workers = None
+        if worker_count:
+            from corral.proxy.workers.processes import START_WAIT_S as RELAY_START_S
+            from corral.proxy.workers.processes import RelayWorkers
+
+            workers = RelayWorkers(daemon, app[ACCOUNTING], runner, worker_count,
+                                   f"{host}:{port}", *log_args)
+            if not await workers.start(stop) and not stop.is_set():
+                # Nobody would answer on the port: say so, and exit, rather than run deaf.
+                log.error("corral.relay_workers_failed", count=worker_count,
+                          waited_s=RELAY_START_S,
+                          hint="no relay worker came up: their lines above say why; "
+                               "relay_workers: 0 serves from the daemon alone")
+                await workers.close()
+                assert held is not None
+                held.close()
+                await daemon.close(0)
+                await runner.cleanup()
+                return 1
         log.info("corral.listening", url=f"http://{host}:{port}",
-                 models=sorted(daemon.models))
+                 models=sorted(daemon.models), relay_workers=worker_count)
         notifier.ready()
 
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         watchers = [asyncio.create_task(watch_config(daemon, stop), name="config-watch"),
                     asyncio.create_task(watch_models_dir(daemon, stop), name="models-dir-watch"),
                     ] if watch else []
@@ -486,12 +518,18 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         log.info("corral.shutting_down", grace=config.shutdown_grace,
                  timeout=config.shutdown_timeout)
         await site.stop()  # no new connections; open ones finish under the daemon's grace
+        if workers is not None:
+            workers.stop_taking()  # the same in each worker
         if watchers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.wait(watchers), TASKS_S)  # `stop` ends them
             for watcher in watchers:
                 watcher.cancel()
         await daemon.close(config.shutdown_grace, budget)  # publishes "stopping": STOPPING=1
+        if workers is not None:
+            await workers.close()
+        if held is not None:
+            held.close()
         await runner.cleanup()
         return 0
     finally:

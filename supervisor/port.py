@@ -131,6 +131,10 @@ class Lease:
             return body
         return await self._prompt_slots.pin(self, url, body, parsed, CALLER.get())
 
+    def pins_requests(self) -> bool:
+        """Whether the prompt cache pins this lease's requests to slots (pin may change them)."""
+        return self._prompt_slots is not None
+
     def reused(self, cache_n: int | None) -> None:
         """The child's answer said it took `cache_n` prompt tokens from its cache
         (`timings.cache_n`; None: it did not say). Only read after a restore: one the child

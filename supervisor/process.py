@@ -135,9 +135,9 @@ def child_environment(parent: Mapping[str, str], extra: Mapping[str, str]) -> di
     return env
 
 
-def _child_setup() -> None:
-    # Runs in the child between fork and exec. SIGKILL the child when the daemon dies, even
-    # by SIGKILL; if the daemon is already gone (reparented), exit at once instead.
+def die_with_parent() -> None:
+    """For a child between fork and exec (preexec_fn): SIGKILL it when the daemon dies, even
+    by SIGKILL; if the daemon is already gone (reparented), exit at once instead."""
     parent = os.getppid()
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
@@ -258,7 +258,7 @@ class ChildProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # own process group: one killpg stops it and helpers
-                preexec_fn=_child_setup,
+                preexec_fn=die_with_parent,
             )
         except BaseException:
             os.close(read_end)

@@ -39,7 +39,7 @@ LIVE_FIELDS = frozenset({
 
 # Read once, when `corral serve` starts (the listening socket, aiohttp's body limit, the pid
 # file's folder): a change is reported, and applies at the next start of corral.
-RESTART_KEYS = ("listen", "max_body_mb", "state_dir")
+RESTART_KEYS = ("listen", "max_body_mb", "relay_workers", "state_dir")
 # Top-level keys reported model by model instead.
 _PER_MODEL_KEYS = ("models", "defaults", "models_dir", "binary", "include")
 

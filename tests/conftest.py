@@ -41,6 +41,11 @@ SMOL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM = REPO / "models" / "all-MiniLM-L6-v2.F16.gguf"  # presets/council.yaml's embedder
 
 
+# `make test-workers`: the relay tests again, every daemon they start with this many relay
+# workers (proxy/workers) unless its config says otherwise.
+RELAY_WORKERS = int(os.environ.get("CORRAL_TEST_RELAY_WORKERS", "0"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -371,10 +376,21 @@ class Corral:
     def spawned_pids(self, model: str | None = None) -> list[int]:
         return [e["pid"] for e in self.spawned(model)]
 
+    def relay_worker_pids(self) -> list[int]:
+        """The relay workers (relay_workers) the daemon spawned so far, oldest first;
+        remembered for the orphan check."""
+        pids = []
+        for e in self.log_events("relay_worker.spawned"):
+            if isinstance(e.get("pid"), int) and isinstance(e.get("argv"), list):
+                self.seen_children.add((e["pid"], tuple(str(a) for a in e["argv"])))
+                pids.append(e["pid"])
+        return pids
+
     def known_children(self) -> set[tuple[int, tuple[str, ...]]]:
         """(pid, cmdline) of every child seen so far, by polling or in the log."""
         self.child_pids()
         self.spawned()
+        self.relay_worker_pids()
         return set(self.seen_children)
 
     def still_running(self) -> dict[int, tuple[str, ...]]:
@@ -438,6 +454,8 @@ class CorralFactory:
     def __call__(self, config: dict[str, Any], api_key: str = "unused",
                  wait: bool = True, host: str = "127.0.0.1") -> Corral:
         config_path = self.folder / f"corral-{len(self.started)}.yaml"
+        if RELAY_WORKERS and "relay_workers" not in config:
+            config = {**config, "relay_workers": RELAY_WORKERS}
         config_path.write_text(yaml.safe_dump(config))
         return self.serve(config_path, api_key, wait, host=host)
 
@@ -495,7 +513,9 @@ class CorralFactory:
                     return False
             except httpx.HTTPError:
                 return False
-            return process_listens(corral.proc.pid, port)
+            # With relay_workers, the workers listen (the daemon holds the port unlistened).
+            return any(process_listens(pid, port)
+                       for pid in (corral.proc.pid, *corral.relay_worker_pids()))
 
         wait_until(up_or_out, timeout=15)
         if corral.proc.poll() is None:

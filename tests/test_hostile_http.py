@@ -20,7 +20,7 @@ from fake_upstream import exchanges
 from lifecycle_harness import FAKE
 from raw_server import RawServer
 
-from conftest import Corral, CorralFactory, wait_until
+from conftest import RELAY_WORKERS, Corral, CorralFactory, wait_until
 
 ANSWER = json.dumps({"id": "x", "object": "chat.completion", "model": "far", "choices": [
     {"index": 0, "finish_reason": "stop",
@@ -232,11 +232,14 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
                            "ctx": 512, "ttl": 300},
               "models": {"m": {"model": str(tiny_models["tiny-a"])}},
               "client_write_timeout": 2}
+    if RELAY_WORKERS:
+        config["relay_workers"] = 1  # one listening process, as the daemon alone is
     corral = start_corral(config)
     assert corral.chat("m").status_code == 200
     child = corral.child_pids()
+    listening = corral.relay_worker_pids()[-1] if RELAY_WORKERS else corral.proc.pid
     # Room for the daemon's own descriptors (~40 here) and 72 clients (listener.py's reserve).
-    resource.prlimit(corral.proc.pid, resource.RLIMIT_NOFILE, (200, 200))
+    resource.prlimit(listening, resource.RLIMIT_NOFILE, (200, 200))
     host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
     held: list[socket.socket] = []
     try:
@@ -256,7 +259,7 @@ def test_idle_connections_at_the_descriptor_limit_starve_neither_children_nor_cl
 
         # Past the cap (72 here), each new connection closed an idle one to make room.
         wait_until(lambda: sum(map(closed_by_corral, held)) >= 200, timeout=30)
-        assert len(os.listdir(f"/proc/{corral.proc.pid}/fd")) < 200
+        assert len(os.listdir(f"/proc/{listening}/fd")) < 200
         # Probes (every 0.1 s) ran while the connections were held: the child lives on.
         probes = len(corral.log_events("instance.health_failed"))
 

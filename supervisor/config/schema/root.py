@@ -63,6 +63,12 @@ class Config(BaseModel):
         30, gt=0, description="seconds a write to a client may wait for the client to take "
         "bytes; past that the client is cut off, its upstream request dropped and the model's "
         "slot freed. A request body that stops coming for as long is a 408")
+    relay_workers: int = Field(
+        0, ge=0, le=64, description="processes that serve requests beside the daemon on the "
+        "same port (SO_REUSEPORT), each on a core of its own: a burst of requests is spread "
+        "over them instead of waiting for one event loop. The daemon keeps the decisions "
+        "(leases, queue, starts); 0 (the default): the daemon serves alone. Applies at the "
+        "next start of corral")
     state_dir: str | None = None
     binary: str | None = None
     defaults: Defaults = Defaults()

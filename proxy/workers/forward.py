@@ -1,0 +1,68 @@
+"""What a relay worker does not serve itself goes to the daemon as it came: the admin API,
+/metrics, events, the status page, groups, mounts, a model without a ready child (its start,
+its loading progress), over a Unix socket to the daemon's own app.
+
+The request is passed on whole (method, the path as sent, every header but the connection's
+own, the body as it streams), the daemon checks and accounts for it as for any other, and
+its answer comes back as it streams."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from corral.proxy import client_io, request_id
+
+# Per-connection headers (RFC 9110 §7.6.1), and the ones aiohttp writes for each message.
+_REQUEST_HOPS = frozenset({"connection", "keep-alive", "proxy-authorization",
+                           "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+                           "content-length"})
+_ANSWER_HOPS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
+                          "date", "server"})
+# A forwarded request may stream as long as the client's does (events, logs -f): no total.
+_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+
+
+class ToDaemon:
+    """The worker's one client to the daemon's Unix socket (connections kept and reused)."""
+
+    def __init__(self, path: str) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=path, limit=0),
+            timeout=_TIMEOUT, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def forward(self, request: web.Request, body: bytes | None,
+                      rid: str | None) -> web.StreamResponse:
+        """`request` to the daemon and its answer back; `body`: read already (else streamed
+        from the client); `rid`: the request id the worker chose, which the daemon keeps."""
+        headers: CIMultiDict[str] = CIMultiDict(
+            (name, value) for name, value in request.headers.items()
+            if name.lower() not in _REQUEST_HOPS)
+        if rid is not None:
+            headers[request_id.HEADER] = rid
+        data = body if body is not None else (
+            request.content.iter_any() if request.body_exists else None)
+        async with self._session.request(
+                request.method, URL("http://corral" + request.raw_path, encoded=True),
+                headers=headers, data=data, allow_redirects=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type",
+                                   "Accept")) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _ANSWER_HOPS:
+                    response.headers.add(name, value)
+            if upstream.content_length is not None and \
+                    "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower():
+                response.content_length = upstream.content_length
+            # Each write under the client's deadline (client_write_timeout), as the daemon's.
+            out = client_io.writer(request, response, None)
+            await out.prepare()
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+            await out.finish()
+            return response
