@@ -68,6 +68,23 @@ TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -lt 3 ] && n=3; [ $$n -gt 8 ] && n=8;
 test: demo-model embed-model vllm hf agents system-deps
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=20
 
+# The relay's tests again with relay workers on (relay_workers, proxy/workers): every daemon
+# these modules start serves its port through 2 worker processes (conftest.RELAY_WORKERS), so
+# what the daemon alone guarantees (streams, errors, edge checks, keys, groups, faults, the
+# prompt cache, real agents and a browser) holds through the workers too.
+WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_fallback.py \
+                 tests/test_hostile_http.py tests/test_hostile.py tests/test_api_families.py \
+                 tests/test_openai_paths.py tests/test_edge.py tests/test_edge_leaks.py \
+                 tests/test_request_filters.py tests/test_groups.py tests/test_faults.py \
+                 tests/test_reliability.py tests/test_prompt_cache.py \
+                 tests/test_prompt_cache_keys.py tests/test_reload.py \
+                 tests/test_load_overrides.py tests/test_fleet_mount.py \
+                 tests/test_request_metrics.py tests/test_agents.py tests/test_status_page.py
+.PHONY: test-workers
+test-workers: demo-model agents system-deps
+	CORRAL_TEST_RELAY_WORKERS=2 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \
+	  -p no:cacheprovider $(WORKERS_TESTS)
+
 # The lowest versions pyproject.toml allows for corral's own dependencies (.ci/floors.py pins
 # each `>=` floor), in a venv of their own: the relay, client-io and streaming tests and the
 # import/CLI smoke run on them, so every floor pyproject declares is one that works. The test

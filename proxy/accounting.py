@@ -77,20 +77,27 @@ class Accounting(RequestAccounts):
         record.model = model_label(self.daemon, record.model)
         self.book(record, refused)
 
-    def book(self, record: RequestRecord, refused: bool) -> None:
+    def book(self, record: RequestRecord, refused: bool, logged: bool = False) -> None:
         """A finished record, labelled: counted, and (unless refused) logged, listed and
-        published. A relay worker's records are booked here too, as they arrive."""
+        published. A relay worker's records are booked here too, as they arrive (`logged`:
+        the worker wrote its log line, off the daemon's one core)."""
         self.metrics.observe(record)
         if record.status == 401 or refused:
             return  # counted; an anonymous flood writes no log line, event or list entry
         self.recent.append(record)
         summary = record.as_dict()
-        log.info("proxy.request", **{k: v for k, v in summary.items()
-                                     if v is not None and k != "time"})
+        if not logged:
+            log_request(summary)
         self.daemon.events.publish("request", history=False, **summary)
 
     def recent_requests(self, limit: int) -> list[dict[str, Any]]:
         return [r.as_dict() for r in list(self.recent)[-limit:]]
+
+
+def log_request(summary: dict[str, Any]) -> None:
+    """A request's one `proxy.request` line (RequestRecord.as_dict's figures)."""
+    log.info("proxy.request", **{k: v for k, v in summary.items()
+                                 if v is not None and k != "time"})
 
 
 # Any other path a client sends counts as "other": a made-up path never becomes a label.

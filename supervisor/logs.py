@@ -41,6 +41,8 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line (PrintLogger writes the line, then its newline): the relay
+        # workers share the daemon's stderr, and a line of one landed between the two.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -8,8 +8,8 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from corral.proxy import client_io, request_id
-from corral.proxy.accounting import RECORD, RequestAccounts
+from corral.proxy import client_io
+from corral.proxy.accounting import RECORD, RequestAccounts, log_request
 from corral.proxy.app import (
     CHILDREN,
     DAEMON,
@@ -45,7 +45,7 @@ class ShippedAccounts(RequestAccounts):
         self._daemon = daemon
         self._index = index
         self._link = link
-        self._pending: list[tuple[RequestRecord, bool, str | None]] = []
+        self._pending: list[tuple[RequestRecord, bool]] = []
         self._flush: asyncio.Handle | None = None
         self._forwarded: set[int] = set()
 
@@ -59,7 +59,9 @@ class ShippedAccounts(RequestAccounts):
         record.finish(status)
         record.model = model_label(self._daemon, record.model)
         record.worker = self._index
-        self._pending.append((record, refused, request_id.current()))
+        if record.status != 401 and not refused:
+            log_request(record.as_dict())  # here, beside the others, not on the daemon's core
+        self._pending.append((record, refused))
         if self._flush is None:
             self._flush = asyncio.get_running_loop().call_soon(self._send)
 

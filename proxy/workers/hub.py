@@ -233,17 +233,10 @@ class _WorkerLink:
         if lease is not None:
             lease.reused(cache_n)
 
-    def _records(self, records: list[tuple[RequestRecord, bool, str | None]]) -> None:
-        ids, book = self.hub.ids, self.hub.accounting.book
-        for record, refused, rid in records:
-            if rid is None:
-                book(record, refused)
-                continue
-            token = ids.bind(rid)
-            try:
-                book(record, refused)
-            finally:
-                ids.unbind(token)
+    def _records(self, records: list[tuple[RequestRecord, bool]]) -> None:
+        book = self.hub.accounting.book
+        for record, refused in records:
+            book(record, refused, logged=True)  # the worker wrote its line, with its id
 
     def _stalled(self, model: str | None) -> None:
         self.hub.accounting.metrics.client_stalled(model)
