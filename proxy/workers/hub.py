@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -86,6 +86,9 @@ class _WorkerLink:
         self._outbox = frames.Outbox(writer)
         self.leases: dict[int, Lease] = {}
         self._calls: dict[int, asyncio.Task[Any]] = {}
+        # A lease's pin still running (a restore into its slot), by lease id: the lease goes
+        # back once it ended (_give_back).
+        self._pinning: dict[int, asyncio.Task[Any]] = {}
         self._sent_loaded: LoadedConfig | None = None
         self._sent_specs: dict[str, ModelSpec] = {}
         self.index: int | None = None
@@ -142,13 +145,25 @@ class _WorkerLink:
             log.warning("relay_worker.leases_returned", worker=self.index, pid=self.pid,
                         leases=len(leases),
                         note="the worker went away with requests under way")
-        for lease in leases.values():
-            lease.release()
+        for lease_id, lease in leases.items():
+            self._give_back(lease_id, lease)
         self._writer.close()
+
+    def _give_back(self, lease_id: int, lease: Lease) -> None:
+        """`lease` released, after its pin if one still runs. The worker's cancel and release
+        of a request (or its death) come in one frame: released first, a pin cancelled in a
+        restore unwound after it, and its slot was taken again by nobody (Slots._ready marks
+        it unsure with Choice.take, which leases it) and stayed leased until the child's end.
+        The daemon's own requests unwind in this order by construction."""
+        pinning = self._pinning.pop(lease_id, None)
+        if pinning is not None and not pinning.done():
+            pinning.add_done_callback(lambda _: lease.release())
+        else:
+            lease.release()
 
     # -- calls: answered with ("reply", id, value) or ("raise", id, error) --------------------
 
-    def _start(self, call_id: int, work: Awaitable[Any], caller: str | None = None,
+    def _start(self, call_id: int, work: Coroutine[Any, Any, Any], caller: str | None = None,
                done: Callable[[Any], Any] | None = None, rid: str | None = None) -> None:
         async def call() -> Any:
             # This task's own context: the lease pins in the caller's space, the log lines
@@ -161,12 +176,17 @@ class _WorkerLink:
 
         task = asyncio.get_running_loop().create_task(call())
         self._calls[call_id] = task
-        task.add_done_callback(lambda t: self._answer(call_id, t))
+        task.add_done_callback(lambda t: self._answer(call_id, t, work))
 
-    def _answer(self, call_id: int, task: asyncio.Task[Any]) -> None:
+    def _answer(self, call_id: int, task: asyncio.Task[Any],
+                work: Coroutine[Any, Any, Any]) -> None:
         self._calls.pop(call_id, None)
         if task.cancelled():
-            return  # the worker cancelled the call, or went away
+            # The worker cancelled the call, or went away; maybe before the task began (a
+            # cancel in the frame after the call's, read in the same turn): its work, never
+            # awaited then, is closed (else a RuntimeWarning in the log).
+            work.close()
+            return
         exc = task.exception()
         if exc is not None:
             self.send(("raise", call_id, frames.error_of(exc)))
@@ -203,6 +223,11 @@ class _WorkerLink:
             return pinned, lease.slot, lease.restored
 
         self._start(call_id, pin(), caller, rid=rid)
+        task = self._calls[call_id]
+        self._pinning[lease_id] = task
+        task.add_done_callback(
+            lambda t: self._pinning.pop(lease_id, None) if self._pinning.get(lease_id) is t
+            else None)
 
     def _broken(self, call_id: int, lease_id: int, timed_out: bool, rid: str | None) -> None:
         lease = self.leases.get(lease_id)
@@ -221,7 +246,7 @@ class _WorkerLink:
     def _release(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
-            lease.release()
+            self._give_back(lease_id, lease)
 
     def _refused(self, lease_id: int) -> None:
         lease = self.leases.get(lease_id)

@@ -95,6 +95,10 @@ class Link:
         except asyncio.CancelledError:
             if not waiter.done() or waiter.cancelled():
                 self.note("cancel", call_id)
+            elif waiter.exception() is None:
+                # Answered in the turn the caller was cancelled (asyncio drops the result and
+                # throws the cancellation in): a grant nobody holds goes back.
+                self._unclaimed(waiter.result())
             raise
         finally:
             self._waiting.pop(call_id, None)
@@ -126,15 +130,18 @@ class Link:
     def _answered(self, call_id: int, value: Any, exc: BaseException | None) -> None:
         waiter = self._waiting.get(call_id)
         if waiter is None or waiter.done():
-            # Its caller was cancelled while the answer was on its way: a lease it will never
-            # use goes straight back.
-            if isinstance(value, LeaseGrant):
-                self.note("release", value.lease_id)
+            # Its caller was cancelled while the answer was on its way.
+            self._unclaimed(value)
             return
         if exc is not None:
             waiter.set_exception(exc)
         else:
             waiter.set_result(value)
+
+    def _unclaimed(self, value: Any) -> None:
+        """An answer its caller will never read: a lease it will never use goes back."""
+        if isinstance(value, LeaseGrant):
+            self.note("release", value.lease_id)
 
     async def close(self) -> None:
         self.closed = True

@@ -1,0 +1,204 @@
+"""Relay workers (proxy/workers) where a request ends at the wrong moment: the two ends of the
+lease link (hub.py, the daemon's; remote.py, the worker's) joined by a socket pair in one
+process, over a daemon stand-in whose leases say in what order they were pinned, unwound and
+given back. What corral guarantees: every lease the daemon grants a worker's request goes
+back exactly once, and after whatever the request's pin was still doing (the daemon's own
+requests unwind in that order: a cancelled restore marks its slot unsure, then the release
+frees it)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+from typing import Any, cast
+
+from corral.proxy.workers import frames
+from corral.proxy.workers.hub import Hub
+from corral.proxy.workers.remote import LeaseGrant, Link, RemoteDaemon
+from corral.supervisor.port import Broken, Lease
+
+URL = "http://127.0.0.1:1/v1/chat/completions"
+
+
+class _Daemon:
+    """What Hub reads of the daemon, with leases that log what happens to them."""
+
+    def __init__(self) -> None:
+        self.events = SimpleNamespace(listen=lambda callback: None)
+        self.loaded = SimpleNamespace(config=None, aliases={}, groups={})
+        self.closing = False
+        self.story: list[str] = []
+        self.pinning = asyncio.Event()
+        self.released = asyncio.Event()
+        self.granted = 0
+
+    def model_names(self) -> list[str]:
+        return []
+
+    def spec(self, name: str) -> Any:
+        raise KeyError(name)
+
+    def ready_now(self, name: str) -> bool:
+        return False
+
+    async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease:
+        self.granted += 1
+        return Lease(cast(Any, _Owner(self)), model=name, instance=name, pid=None,
+                     base_url="http://127.0.0.1:1", headers={}, first_byte_timeout=None,
+                     idle_timeout=None, ready_since=0.0, prompt_slots=cast(Any, _Slots(self)))
+
+
+class _Owner:
+    def __init__(self, daemon: _Daemon) -> None:
+        self._daemon = daemon
+
+    def _give_back(self, lease: Lease) -> None:
+        self._daemon.story.append("given back")
+        self._daemon.released.set()
+
+    def _child_alive(self, lease: Lease) -> bool:
+        return True
+
+    async def _broken(self, lease: Lease, timed_out: bool) -> Broken:
+        return Broken(unresponsive=False, detail=None)
+
+
+class _Slots:
+    """A prompt cache whose pin restores into a slot for as long as it is let (forever)."""
+
+    def __init__(self, daemon: _Daemon) -> None:
+        self._daemon = daemon
+
+    async def pin(self, lease: Lease, url: str, body: Any, parsed: Any, caller: Any) -> Any:
+        lease.slot = 0
+        self._daemon.story.append("pinned")
+        self._daemon.pinning.set()
+        try:
+            await asyncio.Event().wait()  # the restore into the slot
+        except asyncio.CancelledError:
+            self._daemon.story.append("pin unwound")  # Slots._ready: the slot marked unsure
+            raise
+        return body
+
+    def unpin(self, lease: Lease) -> None:
+        self._daemon.story.append("unpinned")
+
+
+async def _joined() -> tuple[_Daemon, Hub, Link, RemoteDaemon, asyncio.Task[None]]:
+    """A hub serving one worker's link, and that worker's end (its first snapshot applied)."""
+    daemon = _Daemon()
+    hub = Hub(cast(Any, daemon), cast(Any, None))
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    serving = asyncio.create_task(hub.serve(*await asyncio.open_unix_connection(sock=ours)))
+    link = Link(*await asyncio.open_unix_connection(sock=theirs))
+    link._task = asyncio.create_task(link._read())
+    remote = RemoteDaemon(link, await asyncio.wait_for(link.snapshots.get(), 10))
+    return daemon, hub, link, remote, serving
+
+
+async def _request(remote: RemoteDaemon) -> None:
+    """A worker's request as the relay makes it (proxy/upstream.leased): lease, pin, release."""
+    lease = await remote.acquire("m")
+    try:
+        await lease.pin(URL, b"{}")
+    finally:
+        lease.release()
+
+
+def test_a_client_gone_during_a_pin_frees_the_slot_after_the_pin_unwound() -> None:
+    """The worker's client hangs up while the daemon restores a saved prompt into the
+    request's slot: the worker's cancel and release reach the daemon in one frame. The pin
+    must unwind before the lease goes back; released first, the unwinding pin took the slot
+    again (Choice.take) after its release, and it stayed leased for good."""
+    async def scenario() -> list[str]:
+        daemon, _hub, link, remote, serving = await _joined()
+        request = asyncio.create_task(_request(remote))
+        await asyncio.wait_for(daemon.pinning.wait(), 10)
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+        await asyncio.wait_for(daemon.released.wait(), 10)
+        await link.close()
+        await asyncio.wait_for(serving, 10)
+        return daemon.story
+
+    assert asyncio.run(scenario()) == ["pinned", "pin unwound", "unpinned", "given back"]
+
+
+def test_a_worker_gone_during_a_pin_frees_the_slot_after_the_pin_unwound() -> None:
+    """The same when the worker itself goes away mid-pin (killed): the hub cancels its calls
+    and gives back its leases, the pin's unwinding first."""
+    async def scenario() -> list[str]:
+        daemon, _hub, link, remote, serving = await _joined()
+        request = asyncio.create_task(_request(remote))
+        await asyncio.wait_for(daemon.pinning.wait(), 10)
+        await link.close()  # what the daemon sees of a worker killed
+        await asyncio.wait_for(serving, 10)
+        await asyncio.wait_for(daemon.released.wait(), 10)
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+        return daemon.story
+
+    assert asyncio.run(scenario()) == ["pinned", "pin unwound", "unpinned", "given back"]
+
+
+def test_a_grant_that_arrives_as_its_request_is_cancelled_goes_back() -> None:
+    """The daemon's grant and the client's hang-up in the same turn of the worker's loop: the
+    waiter holds the grant, the request's task is cancelled all the same (asyncio throws the
+    cancellation in, the result is dropped). The grant must go back to the daemon, else its
+    lease is held until the worker dies (in_flight stuck, the model never idle)."""
+    async def scenario() -> list[Any]:
+        sent: list[Any] = []
+        writer = SimpleNamespace(is_closing=lambda: False, close=lambda: None,
+                                 write=lambda data: sent.extend(_decoded(data)))
+        link = Link(asyncio.StreamReader(), cast(Any, writer))
+        call = asyncio.create_task(link.call("acquire", "m", False, None, None))
+        await asyncio.sleep(0)  # one turn: the call is waiting for its answer
+        grant = LeaseGrant(lease_id=7, model="m", instance="m", pid=None, base_url="",
+                           headers={}, first_byte_timeout=None, idle_timeout=None,
+                           ready_since=0.0, served_name=None, pins=False)
+        link._answered(1, grant, None)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.sleep(0)  # the outbox sends once a turn
+        return sent
+
+    assert ("release", 7) in asyncio.run(scenario())
+
+
+def _decoded(data: bytes) -> list[Any]:
+    import pickle
+
+    assert len(data) == frames._LENGTH.unpack(data[:4])[0] + 4
+    batch: list[Any] = pickle.loads(data[4:])
+    return batch
+
+
+def test_an_acquire_cancelled_in_the_frame_after_it_leaves_nothing() -> None:
+    """A client gone right after its request asked for a lease: the cancel comes in the next
+    frame, which the hub reads in the same turn (its bytes are buffered already), before the
+    acquire's task began. Nothing is granted, and no coroutine is left never awaited (a
+    RuntimeWarning in the daemon's log)."""
+    import gc
+    import warnings
+
+    async def scenario() -> _Daemon:
+        daemon = _Daemon()
+        hub = Hub(cast(Any, daemon), cast(Any, None))
+        ours, theirs = socket.socketpair(socket.AF_UNIX)
+        serving = asyncio.create_task(hub.serve(*await asyncio.open_unix_connection(sock=ours)))
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        await frames.read(reader)  # the first snapshot
+        frames.write(writer, [("acquire", 1, "m", False, None, None)])
+        frames.write(writer, [("cancel", 1)])
+        await writer.drain()
+        writer.close()
+        await asyncio.wait_for(serving, 10)
+        return daemon
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        daemon = asyncio.run(scenario())
+        gc.collect()
+    assert daemon.granted == 0
+    assert not [w for w in caught if "never awaited" in str(w.message)]
