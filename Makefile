@@ -162,8 +162,9 @@ bench: demo-model embed-model vllm nginx
 	$(BIN)/python bench/prompt_cache.py
 	$(BIN)/python bench/votes.py
 	$(BIN)/python bench/edge_check.py
-	$(BIN)/python bench/ttft_concurrency.py --fake
+	$(BIN)/python bench/ttft_concurrency.py --fake --workers 0,2
 	$(BIN)/python bench/ttft_concurrency.py
+	$(BIN)/python bench/relay_workers.py
 	$(BIN)/python bench/relay_nginx.py
 	$(BIN)/python bench/swap.py
 	$(BIN)/python bench/serving.py

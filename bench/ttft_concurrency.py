@@ -8,9 +8,10 @@ Each request has its own prompt (users do not share one): the prompt cache pins 
 
     python bench/ttft_concurrency.py [--model tiny|smol] [--parallel 128]
                                      [--streams 32,128] [--tokens 32] [--rounds 2]
-                                     [--cache on,off] [--workers N]
+                                     [--cache on,off] [--workers 0,2]
 
-`--workers N`: corral with `relay_workers: N` (its CPU then counts the workers' too).
+`--workers 0,2`: corral with `relay_workers` 0, then 2, each a daemon (and child) of its own
+(corral's CPU then counts its workers' too).
 
 Targets (issue 37): TTFT p50 through corral <= direct + 5 ms, tokens/s >= 0.97 of direct,
 CPU <= 20 us per chunk. On a 2-core VM the client, the child and corral share two cores: the
@@ -164,7 +165,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache", default="on,off", help="the prompt cache: on, off or both")
-    parser.add_argument("--workers", type=int, default=0, help="corral's relay_workers")
+    parser.add_argument("--workers", default="0",
+                        help="corral's relay_workers, comma list (a daemon for each)")
     args = parser.parse_args()
     counts = [int(s) for s in args.streams.split(",")]
     # Each slot holds its prompt (~30 tokens) and its answer.
@@ -174,40 +176,44 @@ def main() -> None:
         model = tiny_model(Path(tmp)) if args.model == "tiny" else SMOL
         if not model.is_file():
             sys.exit(f"{model} missing: run `make demo-model`")
+        workers_list = [int(w) for w in args.workers.split(",")]
         for cache in args.cache.split(","):
-            config: dict[str, object] = {"prompt_cache": {"enabled": cache == "on"},
-                                         "defaults": {"max_queue": 4096},
-                                         "relay_workers": args.workers}
-            # llama-server's own HTTP threads (parallel + 2 by default): every stream is
-            # taken at once, on both paths.
-            served = (_fake(args.parallel, args.pace_us, config) if args.fake else
-                      corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
-                                           **config))
-            with served as (proxied, child), \
-                    nginx_proxy(child) as nginx:
-                paths = {"direct": child, "corral": proxied.endpoint}
-                if nginx is not None:
-                    paths["nginx"] = nginx.endpoint
-                for streams in counts:
-                    got = asyncio.run(measure(paths, proxied.pid, streams, args.tokens,
-                                              args.rounds))
-                    results.append((cache, streams, got))
-                    _print_one(cache, streams, got)
+            for workers in workers_list:
+                label = cache if len(workers_list) == 1 else f"{cache} w{workers}"
+                config: dict[str, object] = {"prompt_cache": {"enabled": cache == "on"},
+                                             "defaults": {"max_queue": 4096},
+                                             "relay_workers": workers}
+                # llama-server's own HTTP threads (parallel + 2 by default): every stream is
+                # taken at once, on both paths.
+                served = (_fake(args.parallel, args.pace_us, config) if args.fake else
+                          corral_and_its_child(model, args.parallel, extra=QUIET, ctx=ctx,
+                                               **config))
+                with served as (proxied, child), \
+                        nginx_proxy(child) as nginx:
+                    paths = {"direct": child, "corral": proxied.endpoint}
+                    if nginx is not None:
+                        paths["nginx"] = nginx.endpoint
+                    for streams in counts:
+                        got = asyncio.run(measure(paths, proxied.pid, streams, args.tokens,
+                                                  args.rounds))
+                        results.append((label, streams, got))
+                        _print_one(label, streams, got)
     print(f"\nmachine: {machine_note()}")
     upstream = (f"bench/fast_upstream.py, a token every {args.pace_us} µs, parallel "
                 f"{args.parallel}" if args.fake else
                 f"model {args.model} ({model.name}), one llama-server child with --parallel "
                 f"{args.parallel}, ctx {ctx}")
     print(f"{upstream}; {args.tokens} tokens a stream (ignore_eos), every prompt distinct; "
-          f"{args.rounds} rounds, paths alternating; corral's relay_workers: {args.workers}")
-    print(f"{'cache':5s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
+          f"{args.rounds} rounds, paths alternating; corral's relay_workers: {args.workers} "
+          f"(w<N> below)")
+    print(f"{'cache':8s} {'streams':>7s} {'direct p50':>10s} {'p99':>8s} {'corral p50':>10s} "
           f"{'p99':>8s} {'added p50':>9s} {'tok/s of direct':>15s} {'CPU µs/chunk':>12s}   "
           f"{'nginx added p50':>15s} {'tok/s':>6s}")
     for cache, streams, got in results:
         ttft = got["ttft"]
         assert isinstance(ttft, dict)
         d50, c50 = percentile(ttft["direct"], 50), percentile(ttft["corral"], 50)
-        line = (f"{cache:5s} {streams:7d} {d50:10.1f} {percentile(ttft['direct'], 99):8.1f} "
+        line = (f"{cache:8s} {streams:7d} {d50:10.1f} {percentile(ttft['direct'], 99):8.1f} "
                 f"{c50:10.1f} {percentile(ttft['corral'], 99):8.1f} {c50 - d50:+9.1f} "
                 f"{got['ratio']:15.3f} {got['cpu_us']:12.1f}")
         if "nginx" in ttft:

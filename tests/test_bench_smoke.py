@@ -75,3 +75,15 @@ def test_prompt_cache_index_bench_prints_both_paths() -> None:
     row = lines[lines.index(header) + 1].split()
     assert row[0] == "3" and len(row) == 6, out
     assert all(float(figure) >= 0 for figure in row), out
+
+
+def test_relay_workers_bench_splits_the_cpu_between_the_daemon_and_its_workers() -> None:
+    out = run_bench("relay_workers.py", "--workers", "2", "--requests", "300", "--rounds", "2",
+                    "--concurrency", "8", timeout=240)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "daemon µs/req" in line)
+    alone, spread = (lines[header + 1].split(), lines[header + 2].split())
+    assert alone[0] == "alone" and spread[:2] == ["2", "workers"], out
+    # The daemon alone does all of it; with workers, they do their share and it does less.
+    assert float(alone[3]) == 0 and float(spread[3]) > 0 and float(spread[4]) > 0, out
+    assert "the daemon's share per request" in out, out
