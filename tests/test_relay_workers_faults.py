@@ -202,3 +202,40 @@ def test_an_acquire_cancelled_in_the_frame_after_it_leaves_nothing() -> None:
         gc.collect()
     assert daemon.granted == 0
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+class _Unpicklable(RuntimeError):
+    """An error the daemon may raise that pickle cannot carry (a lock, a socket, a lambda in
+    its attributes)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.hook = lambda: None
+
+
+def test_an_answer_pickle_cannot_carry_still_answers_its_call_and_spares_the_others() -> None:
+    """An acquire fails with an error pickle cannot carry, in the frame that grants another
+    request its lease. Pickled as one batch, the whole frame was lost (an exception in a loop
+    callback): both requests waited for ever, and the grant's lease stayed held. The failed
+    call gets an error it can carry; the other its grant."""
+    async def scenario() -> tuple[BaseException, LeaseGrant]:
+        daemon, _hub, link, _remote, serving = await _joined()
+        acquire = daemon.acquire
+
+        async def acquire_or_fail(name: str, *, ignore_backoff: bool = False) -> Lease:
+            if name == "bad":
+                raise _Unpicklable("no slot for you")
+            return await acquire(name, ignore_backoff=ignore_backoff)
+
+        daemon.acquire = acquire_or_fail  # type: ignore[method-assign]
+        bad = asyncio.create_task(link.call("acquire", "bad", False, None, None))
+        good = asyncio.create_task(link.call("acquire", "m", False, None, None))
+        failed, granted = await asyncio.wait_for(
+            asyncio.gather(bad, good, return_exceptions=True), 10)
+        await link.close()
+        await asyncio.wait_for(serving, 10)
+        assert isinstance(failed, BaseException) and isinstance(granted, LeaseGrant)
+        return failed, granted
+
+    failed, _ = asyncio.run(scenario())
+    assert "no slot for you" in str(failed)

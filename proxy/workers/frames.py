@@ -12,6 +12,10 @@ import pickle
 import struct
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger("corral.proxy.workers")
+
 _LENGTH = struct.Struct("!I")
 # A frame at most: a pin carries a request's body (max_body_mb); a snapshot the config.
 MAX_FRAME = 1 << 30
@@ -61,8 +65,39 @@ class Outbox:
     def _send(self) -> None:
         self._flush = None
         batch, self._queued = self._queued, []
-        if not self._writer.is_closing():
+        if self._writer.is_closing():
+            return
+        try:
             write(self._writer, batch)
+        except Exception:
+            # One message pickle cannot carry (an error with a lock or a lambda in it) lost
+            # the whole frame, with the others' grants and answers: their calls waited for
+            # ever. Then each goes as it can (_carried).
+            carried = (_carried(message) for message in batch)
+            write(self._writer, [message for message in carried if message is not None])
+
+
+def _carried(message: Any) -> Any:
+    """`message`, or what pickle can carry of it: a call's answer as an error of its own
+    class with its message, else as a RuntimeError; a note that cannot go is dropped (None),
+    and logged."""
+    try:
+        pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return message
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        if message[0] in ("raise", "reply"):
+            kind, args = (message[2][0], message[2][1]) if message[0] == "raise" else (
+                RuntimeError, (f"an answer that could not be sent ({failure})",))
+            text = " ".join(str(arg) for arg in args)
+            for error in ((kind, (text,), {}), (RuntimeError, (f"{kind.__name__}: {text}",), {})):
+                try:
+                    pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception:
+                    continue
+                return ("raise", message[1], error)
+        log.error("relay_link.message_dropped", kind=str(message[0])[:40], error=failure)
+        return None
 
 
 def error_of(exc: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:
