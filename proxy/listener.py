@@ -85,19 +85,27 @@ def runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
                          **kwargs)
 
 
-def hold_port(host: str, port: int) -> socket.socket:
+def hold_port(host: str, port: int) -> list[socket.socket]:
     """host:port bound, not listening, for the relay workers to listen on (SO_REUSEPORT, this
     user's processes only): a port in use fails here, at the daemon's start, and nothing of
     another user's can take it while corral runs. A socket that does not listen is given no
-    connections: they all go to the workers. Raises OSError."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    held = socket.socket(family, socket.SOCK_STREAM)
+    connections: they all go to the workers. Every address the host names, as asyncio's
+    create_server binds them (IPv6 ones v6-only). Raises OSError."""
+    held: list[socket.socket] = []
     try:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        held.bind((host, port))
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
     except OSError:
-        held.close()
+        for sock in held:
+            sock.close()
         raise
     return held
 

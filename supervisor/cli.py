@@ -472,7 +472,7 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         # behind its own.
         worker_count = loaded.config.relay_workers
         site = listener.Listener(runner, host, port)
-        held: socket.socket | None = None
+        held: list[socket.socket] = []
         try:
             if worker_count:
                 held = listener.hold_port(host, port)
@@ -497,8 +497,8 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
                           hint="no relay worker came up: their lines above say why; "
                                "relay_workers: 0 serves from the daemon alone")
                 await workers.close()
-                assert held is not None
-                held.close()
+                for sock in held:
+                    sock.close()
                 await daemon.close(0)
                 await runner.cleanup()
                 return 1
@@ -528,8 +528,8 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
         await daemon.close(config.shutdown_grace, budget)  # publishes "stopping": STOPPING=1
         if workers is not None:
             await workers.close()
-        if held is not None:
-            held.close()
+        for sock in held:
+            sock.close()
         await runner.cleanup()
         return 0
     finally:
