@@ -1,22 +1,28 @@
-"""Relay workers (proxy/workers) where a request ends at the wrong moment: the two ends of the
-lease link (hub.py, the daemon's; remote.py, the worker's) joined by a socket pair in one
-process, over a daemon stand-in whose leases say in what order they were pinned, unwound and
-given back. What corral guarantees: every lease the daemon grants a worker's request goes
-back exactly once, and after whatever the request's pin was still doing (the daemon's own
-requests unwind in that order: a cancelled restore marks its slot unsure, then the release
-frees it)."""
+"""Relay workers (proxy/workers) where a request ends at the wrong moment, or comes in an odd
+shape. Most are on the two ends of the lease link (hub.py, the daemon's; remote.py, the
+worker's) joined by a socket pair in one process, over a daemon stand-in whose leases say in
+what order they were pinned, unwound and given back. What corral guarantees: every lease the
+daemon grants a worker's request goes back exactly once, and after whatever the request's pin
+was still doing (the daemon's own requests unwind in that order: a cancelled restore marks
+its slot unsure, then the release frees it). The last are on a real daemon with workers: a
+request a worker forwards is answered as the daemon alone answers it."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
+
+import pytest
 
 from corral.proxy.workers import frames
 from corral.proxy.workers.hub import Hub
 from corral.proxy.workers.remote import LeaseGrant, Link, RemoteDaemon
 from corral.supervisor.port import Broken, Lease
+
+from conftest import Corral, CorralFactory, tiny_config, wait_until
 
 URL = "http://127.0.0.1:1/v1/chat/completions"
 
@@ -239,3 +245,36 @@ def test_an_answer_pickle_cannot_carry_still_answers_its_call_and_spares_the_oth
 
     failed, _ = asyncio.run(scenario())
     assert "no slot for you" in str(failed)
+
+
+# -- on a real daemon with workers (no child started) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path]) -> Corral:
+    corral = start_corral_module(tiny_config(tiny_models, ["tiny-a"], relay_workers=2))
+    wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 2, timeout=30)
+    return corral
+
+
+def _exchange(corral: Corral, head: bytes) -> bytes:
+    """`head` sent on a connection of its own (the kernel picks a worker), the answer read
+    to its end."""
+    port = int(corral.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b"Host: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % port)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_request_in_absolute_form_is_forwarded_to_its_path(corral: Corral) -> None:
+    """A request line may name the whole URL (RFC 9112 3.2.2: a server must take it; HTTP
+    clients told corral is their proxy send it). The daemon alone routes it on its path; a
+    worker forwarded the whole target as a path (`//127.0.0.1:port/admin/models`: a 404)."""
+    port = int(corral.url.rsplit(":", 1)[1])
+    for _ in range(6):  # both workers, most likely
+        answer = _exchange(corral, b"GET http://127.0.0.1:%d/admin/models?x=1 HTTP/1.1\r\n"
+                           % port)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+        assert b'"tiny-a"' in answer

@@ -47,8 +47,13 @@ class ToDaemon:
             headers[request_id.HEADER] = rid
         data = body if body is not None else (
             request.content.iter_any() if request.body_exists else None)
+        target = request.raw_path
+        if not target.startswith("/"):
+            # The absolute form (GET http://host/path: RFC 9112 3.2.2), which the daemon
+            # alone routes on its path: the path and query, not the whole URL as a path.
+            target = request.rel_url.raw_path_qs
         async with self._session.request(
-                request.method, URL("http://corral" + request.raw_path, encoded=True),
+                request.method, URL("http://corral" + target, encoded=True),
                 headers=headers, data=data, allow_redirects=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type",
                                    "Accept")) as upstream:
