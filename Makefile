@@ -183,8 +183,9 @@ bench-serving: demo-model vllm
 # Churn soak (starts, TTL stops, LRU evictions, cancellations, kill -9, unloads); fails on any
 # leaked process, fd or port. `make soak MINUTES=1` is the CI version.
 MINUTES ?= 30
+RELAY_WORKERS ?= 0
 soak: setup
-	$(BIN)/python bench/soak.py --minutes $(MINUTES)
+	$(BIN)/python bench/soak.py --minutes $(MINUTES) --relay-workers $(RELAY_WORKERS)
 
 # Best effort: without nginx the benches still run and say the reference is missing. Only the
 # binary is wanted (each bench runs its own nginx in a temp dir), so the distro's service that

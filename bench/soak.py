@@ -198,14 +198,19 @@ class Run:
 # -- checks ------------------------------------------------------------------------------------
 
 def open_fds(pid: int) -> Counter[str]:
+    """The open fds of corral: the daemon's and its relay workers' (relay_workers)."""
     kinds: Counter[str] = Counter()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        kind = target.split(":")[0] if ":" in target and not target.startswith("/") else target
-        kinds[kind] += 1
+    workers = [p.pid for p in psutil.Process(pid).children()
+               if "corral.proxy.workers.main" in " ".join(p.cmdline())]
+    for each in (pid, *workers):
+        for fd in os.listdir(f"/proc/{each}/fd"):
+            try:
+                target = os.readlink(f"/proc/{each}/fd/{fd}")
+            except OSError:
+                continue
+            kind = target.split(":")[0] if ":" in target and not target.startswith("/") \
+                else target
+            kinds[kind] += 1
     return kinds
 
 
@@ -341,6 +346,8 @@ def main() -> int:
     parser.add_argument("--hang-after", type=float, default=60.0,
                         help="seconds after which a request counts as hung")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--relay-workers", type=int, default=0,
+                        help="corral's relay_workers (their fds count as corral's)")
     parser.add_argument("--plant-leak", action="store_true",
                         help="negative control: leave a process listening on a port, named "
                              "like one of this run's children; the soak must fail")
@@ -355,12 +362,12 @@ def main() -> int:
         print(f"machine: {machine_note()}")
         print(f"soak: {args.minutes:g} min, {len(MODELS)} models, max_loaded 2, ttl {TTL:g} s, "
               f"parallel 2, {args.workers} client workers + chaos (kill -9, unload, load), "
-              f"seed {args.seed}", flush=True)
+              f"seed {args.seed}, relay_workers {args.relay_workers}", flush=True)
         with corral_daemon(models, log_level="info", stop_timeout=60,
                            policy={"max_loaded": 2, "evict_timeout": 10},
                            defaults={"queue_timeout": 30, "max_queue": 64,
                                      "stop_grace": STOP_GRACE},
-                           shutdown_grace=5) as proxied:
+                           shutdown_grace=5, relay_workers=args.relay_workers) as proxied:
             run = Run(proxied.url, proxied.pid, folder, args.hang_after,
                       random.Random(args.seed))
             before = asyncio.run(warm_up(run))
