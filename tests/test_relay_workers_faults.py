@@ -278,3 +278,41 @@ def test_a_request_in_absolute_form_is_forwarded_to_its_path(corral: Corral) -> 
                            % port)
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
         assert b'"tiny-a"' in answer
+
+
+def test_workers_that_never_come_up_fail_the_start_cleanly(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Every worker dies at its start (here: a sitecustomize that ends any relay worker): the
+    daemon spawns them again, each after a growing wait, and once START_WAIT_S passed with
+    none serving it says why and exits 1, its relay sockets removed, nothing left running."""
+    import json
+    import signal
+    import tempfile
+
+    from corral.proxy.workers.processes import START_WAIT_S
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'corral.proxy.workers.main' in sys.orig_argv:\n"
+        "    os._exit(3)\n")
+    path = tmp_path / "workers.yaml"
+    path.write_text(json.dumps(tiny_config(tiny_models, ["tiny-a"], relay_workers=2)))
+    corral = start_corral.serve(path, wait=False, env={"PYTHONPATH": str(site)})
+    corral.expect("relay_worker.exited", "corral.relay_workers_failed", exit_code=1)
+    try:
+        code = corral.proc.wait(START_WAIT_S + 30)
+    finally:
+        if corral.proc.poll() is None:
+            corral.proc.send_signal(signal.SIGTERM)
+    assert code == 1
+    failed = corral.log_events("corral.relay_workers_failed")
+    assert len(failed) == 1 and failed[0]["count"] == 2
+    exits = corral.log_events("relay_worker.exited")
+    assert exits and all(e["returncode"] == 3 for e in exits)
+    # A growing wait between the spawns of each worker: a few each, not hundreds.
+    assert 2 * 2 <= len(corral.log_events("relay_worker.spawned")) <= 2 * 8
+    assert not corral.log_events("corral.listening")
+    assert not corral.still_running()
+    assert not list(Path(tempfile.gettempdir()).glob(f"corral-relay-{corral.proc.pid}.*"))
