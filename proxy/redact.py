@@ -4,33 +4,12 @@ began, and their words go on to the client and into the log."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
-REDACTED = b"[redacted]"
-# Shorter values are no key (a scheme name, a placeholder) and would match ordinary text.
-_SHORTEST = 8
+# The credentials' own search, shared with the supervisor (a peer's answer in its log).
+from corral.supervisor.redaction import REDACTED, secrets_of, without_secrets
 
-
-def secrets_of(headers: Mapping[str, str]) -> list[bytes]:
-    """The secret part of each header corral sends (`Authorization: Bearer <key>`: the key),
-    as it is and as a JSON string quotes it (a `/` as `\\/`, as PHP's encoder writes it)."""
-    found: dict[bytes, None] = {}
-    for value in headers.values():
-        secret = value.rpartition(" ")[2]
-        if len(secret) >= _SHORTEST:
-            quoted = json.dumps(secret)[1:-1]
-            for form in (secret, quoted, quoted.replace("/", "\\/")):
-                found[form.encode()] = None
-    return list(found)
-
-
-def without_secrets(payload: bytes, headers: Mapping[str, str]) -> bytes:
-    """A whole upstream answer less the credentials in `headers` (the lease's)."""
-    for secret in secrets_of(headers):
-        if secret in payload:
-            payload = payload.replace(secret, REDACTED)
-    return payload
+__all__ = ["REDACTED", "StreamRedactor", "secrets_of", "without_secrets"]
 
 
 class StreamRedactor:

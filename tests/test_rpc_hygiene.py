@@ -39,6 +39,7 @@ from tinymodel import write_tiny_llama
 WORKER_SECRET = "WORKER-SECRET-3f9a sk-live-leaked"
 PEER_SECRET = "PEER-SECRET-77c1 internal-host-10.9.8.7"
 TOKEN = "lend-token"
+PEER_TOKEN = "peer-token-3f9a2c1e"  # the head's token for box9, which box9 quotes back
 
 
 # -- worker output and peer answers stay out of /v1 ---------------------------------------------
@@ -47,7 +48,9 @@ class _Refusing(BaseHTTPRequestHandler):
     """A peer that refuses every rpc-server, saying something clients must not see."""
 
     def do_POST(self) -> None:
-        body = json.dumps({"error": {"message": PEER_SECRET, "type": "server_error",
+        # It also quotes the credentials it was sent (as some proxies' error pages do).
+        said = f"{PEER_SECRET} ({self.headers.get('Authorization')})"
+        body = json.dumps({"error": {"message": said, "type": "server_error",
                                      "code": "rpc_server_failed"}}).encode()
         self.send_response(503)
         self.send_header("Content-Type", "application/json")
@@ -78,7 +81,7 @@ def failing(start_corral_module: CorralFactory, refusing_peer: str,
     model = write_tiny_llama(folder / "tiny.gguf", seed=5, n_layer=2)
     corral = start_corral_module({
         "defaults": {"ttl": 600, "stop_grace": 5},
-        "peers": {"box9": {"url": refusing_peer, "token": "t"}},
+        "peers": {"box9": {"url": refusing_peer, "token": PEER_TOKEN}},
         "models": {
             "local": {"model": str(model), "ctx": 256, "binary": _failing_build(folder),
                       "rpc": {"workers": ["local"]}},
@@ -143,7 +146,10 @@ def test_a_workers_output_and_a_peers_answer_stay_out_of_the_v1_body(
     assert any(WORKER_SECRET in e["tail"] for e in exited), exited
     refused = corral.log_events("rpc.peer_refused")
     assert [(e["peer"], e["status"], e["answer"]) for e in refused] == [
-        ("box9", 503, PEER_SECRET)]
+        ("box9", 503, f"{PEER_SECRET} (Bearer [redacted])")]
+    # The token the peer quoted reaches neither the log nor the admin API.
+    assert PEER_TOKEN not in corral.log_path.read_text()
+    assert PEER_TOKEN not in corral.http.get("/admin/models").text
 
 
 def test_admin_shows_the_workers_output_and_the_peers_answer(

@@ -21,6 +21,7 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.memory.estimate import model_facts
 from corral.supervisor.process import ChildProcess, free_port
 from corral.supervisor.reaper import GroupKeeper
+from corral.supervisor.redaction import without_secrets
 from corral.supervisor.rpc.plan import NoFit, SplitPlan, layer_need, plan_split
 from corral.supervisor.rpc.workers import (
     LocalWorker,
@@ -220,6 +221,9 @@ class RpcDeployer:
                 f"{url}/peer/rpc-servers", headers=headers, json={"model": spec.name},
                 timeout=aiohttp.ClientTimeout(total=min(timeout, 30))) as resp:
             status, text = resp.status, await resp.text(errors="replace")
+        # A peer (or a proxy before it) may quote the token it was sent: never into the log,
+        # last_error or the admin API.
+        text = without_secrets(text.encode(), headers).decode(errors="replace")
         # The peer's answer stays with the operators (log, last_error): clients get the
         # peer's name and the HTTP status.
         answer = _peer_answer(text)
