@@ -47,7 +47,12 @@ _HOP_BY_HOP = frozenset({
     # A remote's cookies (a CDN's bot cookie, a session of the operator's account) are for
     # corral's own requests, which never send them back: to a client they only leak.
     "set-cookie", "set-cookie2",
+    # So do the operator's account's names (OpenAI's and Anthropic's APIs send them on
+    # every answer); its rate limits go with _ACCOUNT_PREFIXES.
+    "openai-organization", "openai-project", "anthropic-organization-id",
 })
+# What is left of the operator's quota (x-ratelimit-remaining-tokens, ...): not a client's.
+_ACCOUNT_PREFIXES = (b"x-ratelimit-", b"anthropic-ratelimit-")
 # A whole answer held in memory, at most (the config's max_answer_mb, where callers pass it).
 DEFAULT_ANSWER_LIMIT = 64 * 1024 * 1024
 _HOP_BY_HOP_BYTES = frozenset(h.encode() for h in _HOP_BY_HOP)
@@ -58,7 +63,8 @@ def _child_headers(response: ChildResponse) -> CIMultiDict[str]:
     # decoding each one only to drop it cost more than the rest of this.
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in response.headers:
-        if name.lower() not in _HOP_BY_HOP_BYTES:
+        lower = name.lower()
+        if lower not in _HOP_BY_HOP_BYTES and not lower.startswith(_ACCOUNT_PREFIXES):
             headers.add(name.decode("latin-1"), value.decode("latin-1"))
     return headers
 

@@ -109,7 +109,13 @@ def answer(path: str, case: str) -> bytes | Iterator[bytes | None]:
         return _stream(_messages_stream(1, 1, text) if messages
                        else _responses_stream({"input_tokens": 1, "output_tokens": 1}, text))
     if kind == "cookie":  # the remote's own cookie, on a whole answer and on a stream
-        cookie = b"Set-Cookie: session=operators-own; Path=/; HttpOnly\r\n"
+        cookie = (b"Set-Cookie: session=operators-own; Path=/; HttpOnly\r\n"
+                  # The operator's account, as OpenAI's and Anthropic's APIs name it in
+                  # every answer: whose key this is, and how much of its quota is left.
+                  b"openai-organization: org-operators-own\r\nopenai-project: proj_own\r\n"
+                  b"anthropic-organization-id: 0f3c-operators-own\r\n"
+                  b"x-ratelimit-remaining-tokens: 149984\r\n"
+                  b"anthropic-ratelimit-requests-remaining: 49\r\n")
         if detail == "whole":
             body = _message({"input_tokens": 1, "output_tokens": 1}) if messages \
                 else _response({"input_tokens": 1, "output_tokens": 1})
@@ -298,7 +304,8 @@ def test_half_a_surrogate_pair_in_a_clients_body_reaches_the_model(corral: Corra
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
-def test_a_remotes_cookie_never_reaches_the_client(corral: Corral, path: str) -> None:
+def test_a_remotes_cookie_and_account_headers_never_reach_the_client(corral: Corral,
+                                                                     path: str) -> None:
     """corral never sends a client's cookies on, so a remote's Set-Cookie (a CDN's bot
     cookie, a session of the operator's account) only leaked to every client."""
     for stream in (False, True):
@@ -306,6 +313,10 @@ def test_a_remotes_cookie_never_reaches_the_client(corral: Corral, path: str) ->
         assert answered.status_code == 200, answered.text
         assert "fine" in answered.text
         assert "set-cookie" not in answered.headers, answered.headers
+        # Nor the operator's account: its organization, project and what is left of its
+        # quota are the operator's business, not every client's.
+        assert "operators-own" not in str(answered.headers), answered.headers
+        assert not [h for h in answered.headers if "ratelimit" in h or h == "openai-project"]
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
