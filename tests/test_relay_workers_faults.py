@@ -316,3 +316,45 @@ def test_workers_that_never_come_up_fail_the_start_cleanly(
     assert not corral.log_events("corral.listening")
     assert not corral.still_running()
     assert not list(Path(tempfile.gettempdir()).glob(f"corral-relay-{corral.proc.pid}.*"))
+
+
+def test_a_burst_past_a_frames_size_goes_in_several(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The messages of one turn past MAX_FRAME together (a burst of pins, each carrying a
+    request's body of up to max_body_mb): the peer refused the frame and closed the link,
+    cutting every request of the worker. They go in frames the peer takes, each once."""
+    monkeypatch.setattr(frames, "MAX_FRAME", 4096)
+
+    async def scenario() -> list[Any]:
+        reader = asyncio.StreamReader()
+        writer = SimpleNamespace(is_closing=lambda: False, write=reader.feed_data)
+        outbox = frames.Outbox(cast(Any, writer))
+        for n in range(5):
+            outbox.put(("pin", n, bytes([n]) * 1500))  # distinct: pickle shares no copy
+        await asyncio.sleep(0)  # the outbox sends once a turn
+        reader.feed_eof()
+        got: list[Any] = []
+        while True:
+            try:
+                got += await frames.read(reader)
+            except frames.LinkClosed:
+                return got
+
+    assert [message[1] for message in asyncio.run(scenario())] == [0, 1, 2, 3, 4]
+
+
+def test_a_call_too_big_for_a_frame_fails_rather_than_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pin whose body alone is past MAX_FRAME (max_body_mb above it) cannot be sent: the
+    worker's call fails at once instead of waiting for an answer that never comes."""
+    monkeypatch.setattr(frames, "MAX_FRAME", 4096)
+
+    async def scenario() -> BaseException | None:
+        writer = SimpleNamespace(is_closing=lambda: False, write=lambda data: None)
+        link = Link(asyncio.StreamReader(), cast(Any, writer))
+        try:
+            await asyncio.wait_for(link.call("pin", 1, URL, b"x" * 8192, None, None), 10)
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    assert "not sent to the daemon" in str(asyncio.run(scenario()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -48,10 +49,13 @@ class Outbox:
     list): a burst of requests makes one pickle and one write for its dozens of leases and
     releases, not one each. read() then returns such a list."""
 
-    __slots__ = ("_flush", "_queued", "_writer")
+    __slots__ = ("_dropped", "_flush", "_queued", "_writer")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter,
+                 dropped: Callable[[Any, str], None] | None = None) -> None:
+        """`dropped`: told of each message that could not be sent (a call then fails)."""
         self._writer = writer
+        self._dropped = dropped
         self._queued: list[Any] = []
         self._flush: asyncio.Handle | None = None
 
@@ -65,39 +69,54 @@ class Outbox:
     def _send(self) -> None:
         self._flush = None
         batch, self._queued = self._queued, []
-        if self._writer.is_closing():
-            return
+        if not self._writer.is_closing():
+            self._write(batch)
+
+    def _write(self, batch: list[Any]) -> None:
+        """`batch` in one frame, else in halves. A frame that cannot be made (a message pickle
+        cannot carry: an error with a lock or a lambda in it) or that the peer refuses (past
+        MAX_FRAME: a burst of pins of big bodies) lost every message in it, with the others'
+        grants and answers: their calls waited for ever, their leases stayed held; and a
+        frame too big closed the link (every request of the worker cut). A message that
+        cannot go on its own is sent as _carried() says."""
         try:
-            write(self._writer, batch)
-        except Exception:
-            # One message pickle cannot carry (an error with a lock or a lambda in it) lost
-            # the whole frame, with the others' grants and answers: their calls waited for
-            # ever. Then each goes as it can (_carried).
-            carried = (_carried(message) for message in batch)
-            write(self._writer, [message for message in carried if message is not None])
+            data: bytes | None = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            data, failure = None, f"{type(exc).__name__}: {exc}"
+        if data is not None and len(data) <= MAX_FRAME:
+            self._writer.write(_LENGTH.pack(len(data)) + data)
+        elif len(batch) > 1:
+            half = len(batch) // 2
+            self._write(batch[:half])
+            self._write(batch[half:])
+        else:
+            if data is not None:
+                failure = f"{len(data)} bytes, more than a frame carries ({MAX_FRAME})"
+            carried = _carried(batch[0], failure)
+            if carried is not None:
+                write(self._writer, [carried])
+            elif self._dropped is not None:
+                self._dropped(batch[0], failure)
 
 
-def _carried(message: Any) -> Any:
-    """`message`, or what pickle can carry of it: a call's answer as an error of its own
-    class with its message, else as a RuntimeError; a note that cannot go is dropped (None),
-    and logged."""
-    try:
-        pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        return message
-    except Exception as exc:
-        failure = f"{type(exc).__name__}: {exc}"
-        if message[0] in ("raise", "reply"):
-            kind, args = (message[2][0], message[2][1]) if message[0] == "raise" else (
-                RuntimeError, (f"an answer that could not be sent ({failure})",))
-            text = " ".join(str(arg) for arg in args)
-            for error in ((kind, (text,), {}), (RuntimeError, (f"{kind.__name__}: {text}",), {})):
-                try:
-                    pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:
-                    continue
-                return ("raise", message[1], error)
-        log.error("relay_link.message_dropped", kind=str(message[0])[:40], error=failure)
-        return None
+def _carried(message: Any, failure: str) -> Any:
+    """What can be sent of a `message` that cannot go as it is: a call's answer as an error
+    of its own class with its message, else as a RuntimeError; a note is dropped (None), and
+    logged."""
+    if message[0] in ("raise", "reply"):
+        kind, args = (message[2][0], message[2][1]) if message[0] == "raise" else (
+            RuntimeError, (f"an answer that could not be sent ({failure})",))
+        text = " ".join(str(arg) for arg in args)[:2000]
+        errors: list[tuple[Any, tuple[str], dict[str, Any]]] = [
+            (kind, (text,), {}), (RuntimeError, (f"{kind.__name__}: {text}",), {})]
+        for error in errors:
+            try:
+                pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                continue
+            return ("raise", message[1], error)
+    log.error("relay_link.message_dropped", kind=str(message[0])[:40], error=failure)
+    return None
 
 
 def error_of(exc: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:

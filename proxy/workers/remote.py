@@ -62,7 +62,7 @@ class Link:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
-        self._outbox = frames.Outbox(writer)
+        self._outbox = frames.Outbox(writer, dropped=self._unsent)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self.snapshots: asyncio.Queue[Snapshot] = asyncio.Queue()
@@ -137,6 +137,13 @@ class Link:
             waiter.set_exception(exc)
         else:
             waiter.set_result(value)
+
+    def _unsent(self, message: Any, failure: str) -> None:
+        """A call that could not be sent (a pin of a body past a frame's size) fails, rather
+        than wait for an answer that will never come."""
+        waiter = self._waiting.get(message[1]) if len(message) > 1 else None
+        if isinstance(waiter, asyncio.Future) and not waiter.done():
+            waiter.set_exception(RuntimeError(f"{message[0]} not sent to the daemon: {failure}"))
 
     def _unclaimed(self, value: Any) -> None:
         """An answer its caller will never read: a lease it will never use goes back."""
