@@ -352,6 +352,12 @@ def test_memory_preset_runs_with_budgets_and_kv_modes(start_corral: CorralFactor
     assert by["reviewer"]["kv_cache"] is None
     for name in ("chat", "writer", "reviewer", "core-a", "core-b"):
         assert by[name]["estimate_mib"]["cpu"] > 0, by[name]
+    # Its relay workers serve a ready model's requests (a start, a group: the daemon's).
+    def by_a_worker() -> bool:
+        ask_plain(corral, "default")
+        last = corral.http.get("/admin/requests", params={"limit": 1}).json()["requests"][-1]
+        return last["worker"] is not None
+    wait_until(by_a_worker, timeout=30)
 
 
 @pytest.mark.expect_log("proxy.start_failed", "proxy.request_failed")
