@@ -358,3 +358,66 @@ def test_a_call_too_big_for_a_frame_fails_rather_than_wait(
         return None
 
     assert "not sent to the daemon" in str(asyncio.run(scenario()))
+
+
+def test_requests_forwarded_at_once_leave_the_daemon_its_descriptors(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The daemon alone takes connection_limit() clients (its descriptor limit less a
+    reserve for its children, files and pipes). Through workers, each with a cap of its own,
+    every forwarded request (an event stream, a cold model's request) held a descriptor of
+    the daemon's: a few hundred took them all (the memory watch failed, a start failed,
+    forwards failed with tracebacks). Now the workers forward that many at most together, and
+    answer the rest with a 503 of their own."""
+    import json
+    import os
+    import resource
+
+    from corral.proxy.listener import connection_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    path = tmp_path / "workers.yaml"
+    path.write_text(json.dumps(tiny_config(tiny_models, ["tiny-a"], relay_workers=2)))
+    # The daemon and its workers inherit the limit at their spawn; this process has it back
+    # at once.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        corral = start_corral.serve(path, wait=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 2, timeout=30)
+    port = int(corral.url.rsplit(":", 1)[1])
+    streams = []
+    try:
+        for _ in range(240):  # fewer than the workers take together (128 each at 256)
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(b"GET /admin/events HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % port)
+            streams.append(sock)
+        heads = [_head(sock) for sock in streams]
+        opened = [h for h in heads if h.startswith(b"HTTP/1.1 200 ")]
+        refused = [h for h in heads if h.startswith(b"HTTP/1.1 503 ")]
+        assert len(opened) + len(refused) == len(streams), [h[:60] for h in heads]
+        assert len(opened) <= connection_limit(256)
+        assert refused and all(b"too_many_connections" in h and b"Retry-After: 1" in h
+                               and b"X-Request-Id" in h for h in refused)
+        assert len(os.listdir(f"/proc/{corral.proc.pid}/fd")) < 256 - 64
+    finally:
+        for sock in streams:
+            sock.close()
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+
+
+def _head(sock: socket.socket) -> bytes:
+    """An answer's head, with the start of its body (an error's JSON)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    if data.startswith(b"HTTP/1.1 503"):
+        while b"}}" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return data

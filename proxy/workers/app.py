@@ -123,8 +123,12 @@ async def _served(request: web.Request) -> web.StreamResponse:
 
 
 async def _forwarded(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+    to_daemon = request.app[TO_DAEMON]
+    full = to_daemon.refusal()
+    if full is not None:
+        return full  # the worker's own answer, headed and accounted for here
     request[FORWARDED] = True
     record = request.get(RECORD)
     if record is not None:
         request.app[_ACCOUNTS].forwarded(record)
-    return await request.app[TO_DAEMON].forward(request, body, request.get(REQUEST_ID))
+    return await to_daemon.forward(request, body, request.get(REQUEST_ID))

@@ -8,12 +8,18 @@ its answer comes back as it streams."""
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
+import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
 from corral.proxy import client_io, request_id
+from corral.proxy.errors import error_response
+
+log = structlog.get_logger("corral.proxy.worker")
 
 # Per-connection headers (RFC 9110 §7.6.1), and the ones aiohttp writes for each message.
 _REQUEST_HOPS = frozenset({"connection", "keep-alive", "proxy-authorization",
@@ -26,12 +32,37 @@ _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
 
 
 class ToDaemon:
-    """The worker's one client to the daemon's Unix socket (connections kept and reused)."""
+    """The worker's one client to the daemon's Unix socket (connections kept and reused).
 
-    def __init__(self, path: str) -> None:
+    At most `limit` requests forwarded at once: each holds a descriptor of the daemon's, and
+    the workers together may hold many more client connections than the daemon alone would
+    take (its cap keeps a reserve of its descriptors for its children, files and pipes:
+    proxy/listener.py). Past it, a 503 at once; without it, a few hundred event streams or
+    cold-model requests took every descriptor the daemon had: starts, the memory watch and
+    every other forwarded request failed (Too many open files)."""
+
+    def __init__(self, path: str, limit: int) -> None:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=path, limit=0),
             timeout=_TIMEOUT, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        self.limit = limit
+        self.open = 0
+        self._full_since: float | None = None  # said once per time it fills
+
+    def refusal(self) -> web.Response | None:
+        """The answer to a request that would pass the limit; None while there is room."""
+        if self.open < self.limit:
+            self._full_since = None
+            return None
+        if self._full_since is None:
+            self._full_since = time.monotonic()
+            log.warning("relay_worker.forwards_full", limit=self.limit,
+                        note="as many requests forwarded to the daemon as its share of its "
+                             "descriptors allows; more get a 503 until some end")
+        return error_response(
+            503, "corral is answering as many requests of this kind as it can take at once; "
+                 "retry shortly", kind="server_error", code="too_many_connections",
+            retry_after=1)
 
     async def close(self) -> None:
         await self._session.close()
@@ -39,7 +70,16 @@ class ToDaemon:
     async def forward(self, request: web.Request, body: bytes | None,
                       rid: str | None) -> web.StreamResponse:
         """`request` to the daemon and its answer back; `body`: read already (else streamed
-        from the client); `rid`: the request id the worker chose, which the daemon keeps."""
+        from the client); `rid`: the request id the worker chose, which the daemon keeps.
+        Counted against `limit` (refusal() said there was room) until it ends."""
+        self.open += 1
+        try:
+            return await self._forward(request, body, rid)
+        finally:
+            self.open -= 1
+
+    async def _forward(self, request: web.Request, body: bytes | None,
+                       rid: str | None) -> web.StreamResponse:
         headers: CIMultiDict[str] = CIMultiDict(
             (name, value) for name, value in request.headers.items()
             if name.lower() not in _REQUEST_HOPS)

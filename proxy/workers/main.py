@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward", required=True, help="the daemon's socket for requests")
     parser.add_argument("--listen", required=True, help="HOST:PORT, the daemon's")
     parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--forward-limit", type=int, required=True,
+                        help="requests forwarded to the daemon at once, at most")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", default="auto")
     args = parser.parse_args(argv)
@@ -50,7 +52,7 @@ async def _serve(args: argparse.Namespace) -> int:
     first = await asyncio.wait_for(link.snapshots.get(), 30)
     remote = RemoteDaemon(link, first)
     following = asyncio.create_task(remote.follow(), name="snapshots")
-    to_daemon = ToDaemon(args.forward)
+    to_daemon = ToDaemon(args.forward, args.forward_limit)
     runner = listener.runner(create_worker_app(remote, link, to_daemon, host, args.index),
                              handler_cancellation=True, access_log=None,
                              shutdown_timeout=_HANDLERS_S)

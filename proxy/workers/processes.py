@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from corral.proxy.accounting import Accounting
+from corral.proxy.listener import connection_limit
 from corral.proxy.workers.hub import Hub
 from corral.supervisor import socket_dir
 from corral.supervisor.port import Supervisor
@@ -88,17 +89,21 @@ class RelayWorkers:
         failures = 0
         while not self._closing.is_set():
             started = time.monotonic()
+            # The workers share what the daemon alone would take in client connections: what
+            # they forward holds a descriptor of the daemon's each (read at each spawn: a
+            # limit raised with prlimit applies to the next).
+            own = [*argv, "--index", str(index),
+                   "--forward-limit", str(max(1, connection_limit() // self.count))]
             try:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, "--index", str(index), stdin=asyncio.subprocess.DEVNULL,
+                    *own, stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True, preexec_fn=die_with_parent)
             except OSError as exc:
                 log.error("relay_worker.spawn_failed", worker=index, error=str(exc))
                 code: int | None = None
             else:
                 self.processes[index] = process
-                log.info("relay_worker.spawned", worker=index, pid=process.pid,
-                         argv=[*argv, "--index", str(index)])
+                log.info("relay_worker.spawned", worker=index, pid=process.pid, argv=own)
                 code = await process.wait()
                 self.processes.pop(index, None)
                 if self._closing.is_set():
