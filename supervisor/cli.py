@@ -490,10 +490,17 @@ async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, sta
 
             workers = RelayWorkers(daemon, app[ACCOUNTING], runner, worker_count,
                                    f"{host}:{port}", *log_args)
-            if not await workers.start(stop) and not stop.is_set():
+            try:
+                ready, error = await workers.start(stop), None
+            except OSError as exc:
+                # Their sockets could not be made (a temp dir too long for a socket's path,
+                # or not writable): the same clean exit, not a traceback past the drain.
+                ready, error = 0, str(exc)
+            if not ready and (error is not None or not stop.is_set()):
                 # Nobody would answer on the port: say so, and exit, rather than run deaf.
                 log.error("corral.relay_workers_failed", count=worker_count,
                           waited_s=RELAY_START_S,
+                          **({"error": error} if error is not None else {}),
                           hint="no relay worker came up: their lines above say why; "
                                "relay_workers: 0 serves from the daemon alone")
                 await workers.close()

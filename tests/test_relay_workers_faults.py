@@ -421,3 +421,23 @@ def _head(sock: socket.socket) -> bytes:
                 break
             data += chunk
     return data
+
+
+def test_relay_sockets_that_cannot_be_made_fail_the_start_cleanly(
+        start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A temp dir whose path leaves no room for a socket's (108 bytes at most): the daemon
+    cannot make its workers' sockets. It said so with a traceback and an unclosed client
+    session, past its own close; now it says why in one line and exits 1 as when no worker
+    comes up."""
+    import json
+
+    long = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long.mkdir()
+    path = tmp_path / "workers.yaml"
+    path.write_text(json.dumps(tiny_config(tiny_models, ["tiny-a"], relay_workers=2)))
+    corral = start_corral.serve(path, wait=False, env={"TMPDIR": str(long)})
+    corral.expect("corral.relay_workers_failed", exit_code=1)
+    assert corral.proc.wait(60) == 1
+    failed = corral.log_events("corral.relay_workers_failed")
+    assert len(failed) == 1 and "socket paths" in failed[0]["error"]
+    assert not corral.log_events("relay_worker.spawned")
