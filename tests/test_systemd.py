@@ -561,6 +561,9 @@ def test_unit_directives() -> None:
     assert one["Service.Type"] == "notify" and one["Service.NotifyAccess"] == "main"
     assert one["Service.WatchdogSec"] == "30"
     assert one["Service.ExecReload"] == "/bin/kill -HUP $MAINPID"
+    # The stop's SIGTERM reaches corral only (mixed): with control-group every child got it
+    # too, at once, and the drain and the prompt-cache saves had nothing left to do them on.
+    assert one["Service.KillMode"] == "mixed" and one["Service.KillSignal"] == "SIGTERM"
     for key in ("NoNewPrivileges", "PrivateTmp", "ProtectKernelTunables",
                 "ProtectControlGroups", "RestrictSUIDSGID", "LockPersonality"):
         assert one[f"Service.{key}"] == "true", key
