@@ -267,6 +267,40 @@ def test_a_killed_worker_gives_its_leases_back_and_is_spawned_again(
     assert corral.model("tiny-a")["pid"] == corral.spawned_pids("tiny-a")[0]
 
 
+def test_a_stopped_worker_is_killed_and_spawned_again(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    """A worker whose loop stops (here SIGSTOP: the kernel still hands it new connections,
+    and its requests' leases stay held) answers no ping: the daemon kills it, gives its leases
+    back and spawns another."""
+    corral = start_corral(_config(tiny_models))
+    corral.expect("relay_worker.unresponsive", "relay_worker.exited",
+                  "relay_worker.leases_returned")
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    first = _workers(corral)
+    body = {"model": "tiny-a", "stream": True, **LONG,
+            "messages": [{"role": "user", "content": "stopped"}]}
+    with httpx.Client(base_url=corral.url, timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = (line for line in sse_lines(resp) if line)
+        for _ in range(3):
+            next(lines)
+        for pid in first:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = wait_until(lambda: len(corral.log_events("relay_worker.unresponsive")) == 2,
+                             timeout=30)
+        assert stopped
+    unresponsive = corral.log_events("relay_worker.unresponsive")
+    assert {e["pid"] for e in unresponsive} == set(first)
+    assert [e["leases"] for e in corral.log_events("relay_worker.leases_returned")] == [1]
+    wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 4, timeout=30)
+    corral.http.close()
+    corral.http = httpx.Client(base_url=corral.url, timeout=60)
+    assert corral.model("tiny-a")["in_flight"] == 0
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    assert not set(_workers(corral)) & set(first)
+
+
 def test_a_reload_reaches_the_workers(start_corral: CorralFactory,
                                       tiny_models: dict[str, Path]) -> None:
     """Keys changed by a reload apply in the workers too (the daemon sends them its new

@@ -68,6 +68,10 @@ class Hub:
                 self.ready_changed.set()
             link.close()
 
+    def serving(self) -> list[_WorkerLink]:
+        """The links of workers that said they serve."""
+        return [link for link in self._links if link.pid is not None]
+
     def stop_workers(self) -> None:
         """Every worker stops taking connections and finishes what it serves."""
         for link in self._links:
@@ -94,6 +98,10 @@ class _WorkerLink:
         self.index: int | None = None
         self.pid: int | None = None
         self.closed = False
+        # The daemon's watch (processes.py): the last ping sent, the last answered, and how
+        # many in a row went unanswered.
+        self.pinged = self.ponged = 0
+        self.unanswered = 0
 
     def send(self, message: Any) -> None:
         self._outbox.put(message)
@@ -119,7 +127,7 @@ class _WorkerLink:
             "acquire": self._acquire, "pin": self._pin, "broken": self._broken,
             "cancel": self._cancel, "release": self._release, "refused": self._refused,
             "reused": self._reused, "records": self._records, "stalled": self._stalled,
-            "ready": self._ready,
+            "ready": self._ready, "pong": self._pong,
         }
         while True:
             try:
@@ -265,6 +273,18 @@ class _WorkerLink:
 
     def _stalled(self, model: str | None) -> None:
         self.hub.accounting.metrics.client_stalled(model)
+
+    def _pong(self, seq: int) -> None:
+        self.ponged = max(self.ponged, seq)
+
+    def ping(self, seq: int) -> int:
+        """Whether the last ping was answered is counted, then `seq` sent: how many pings in
+        a row this worker left unanswered (one after a stall of the daemon's own loop, whose
+        reader had not read the answer yet; never three)."""
+        self.unanswered = 0 if self.ponged >= self.pinged else self.unanswered + 1
+        self.pinged = seq
+        self.send(("ping", seq))
+        return self.unanswered
 
     def _ready(self, index: int, pid: int) -> None:
         self.index, self.pid = index, pid

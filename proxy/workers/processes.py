@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import sys
@@ -31,6 +32,11 @@ _BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # At the daemon's start: how long its readiness waits for the workers to serve, at most (a
 # worker still starting then joins when it can; the daemon serves meanwhile).
 START_WAIT_S = 20.0
+# A worker answers a ping every PING_S from its event loop; one that leaves PING_MISSES in a
+# row unanswered (its loop stuck, or SIGSTOP) is killed, and spawned again: the kernel keeps
+# handing new connections to a stopped worker's socket, and its requests' leases stay held.
+PING_S = 2.0
+PING_MISSES = 3
 # At the daemon's exit: what a worker gets to end after the daemon's drain, then SIGKILL.
 _EXIT_S = 3.0
 
@@ -66,6 +72,7 @@ class RelayWorkers:
         self._keepers = [asyncio.create_task(self._keep(index, argv),
                                              name=f"relay-worker-{index}")
                          for index in range(self.count)]
+        self._keepers.append(asyncio.create_task(self._watch(), name="relay-workers-watch"))
         stopped = asyncio.ensure_future(stop.wait())
         try:
             async with asyncio.timeout(START_WAIT_S):
@@ -83,6 +90,23 @@ class RelayWorkers:
             log.warning("relay_workers.slow_start", ready=ready, count=self.count,
                         waited_s=START_WAIT_S, note="the others join when they serve")
         return ready
+
+    async def _watch(self) -> None:
+        """Ping every serving worker each PING_S; kill one that stopped answering."""
+        for seq in itertools.count(1):
+            await asyncio.sleep(PING_S)
+            for link in self.hub.serving():
+                missed = link.ping(seq)
+                if missed < PING_MISSES:
+                    continue
+                process = self.processes.get(link.index) if link.index is not None else None
+                if process is None or process.pid != link.pid or process.returncode is not None:
+                    continue  # not (or no longer) a process of ours
+                log.warning("relay_worker.unresponsive", worker=link.index, pid=link.pid,
+                            unanswered_s=missed * PING_S,
+                            note="killed, and spawned again; its requests are cut")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
     async def _keep(self, index: int, argv: list[str]) -> None:
         """Worker `index`, spawned again whenever it exits, until the daemon closes."""

@@ -116,6 +116,8 @@ class Link:
                         self.snapshots.put_nowait(message[1])
                     elif kind == "stop":
                         self.stop.set()
+                    elif kind == "ping":  # this loop turns: the daemon's watch (processes.py)
+                        self.note("pong", message[1])
         except frames.LinkClosed:
             pass
         finally:
