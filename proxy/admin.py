@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +33,13 @@ _PULL_REFUSALS: dict[type[pulling.PullError], tuple[int, str, str | None]] = {
 _KEEPALIVE_EVERY = 15.0
 
 
+# Awaited after an applied POST /admin/reload, before its answer (each bounds its own wait).
+RELOAD_HOOKS: web.AppKey[list[Callable[[], Awaitable[None]]]] = web.AppKey("reload_hooks",
+                                                                           list)
+
+
 def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
+    app[RELOAD_HOOKS] = []
     async def models(request: web.Request) -> web.Response:
         daemon = request.app[key]
         # `node`: which corral this is, in a fleet (the X-Corral-Node of every answer).
@@ -102,6 +108,10 @@ def add_routes(app: web.Application, key: web.AppKey[Supervisor]) -> None:
             raise ShuttingDown("corral is shutting down; the reload was not applied") from None
         body: dict[str, Any] = attempt.as_dict()
         if attempt.ok:
+            # What else must hold the new config before the answer says it is applied (the
+            # relay workers: a key the reload removed must open nothing once it answered).
+            for applied in request.app[RELOAD_HOOKS]:
+                await applied()
             return web.json_response(body)
         # The config on disk is invalid; the running one stays. 422: the request was fine,
         # what it asked to load was not.

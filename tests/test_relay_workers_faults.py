@@ -441,3 +441,36 @@ def test_relay_sockets_that_cannot_be_made_fail_the_start_cleanly(
     failed = corral.log_events("corral.relay_workers_failed")
     assert len(failed) == 1 and "socket paths" in failed[0]["error"]
     assert not corral.log_events("relay_worker.spawned")
+
+
+def test_a_reloads_answer_waits_for_the_workers_to_apply_it() -> None:
+    """Hub.synced (awaited by POST /admin/reload before it answers) returns once every
+    serving worker applied the snapshot it pushed: not before, so a key the reload removed
+    opens nothing on a worker once the reload answered; and not for ever, for a worker that
+    does not apply it (the watch kills such a one)."""
+    async def scenario() -> tuple[bool, bool, float]:
+        _, hub, link, remote, serving = await _joined()
+        link.note("ready", 0, 4242)  # serving: the hub waits for this worker's ack
+        wait_ready = asyncio.get_running_loop().time() + 10
+        while not hub.serving():
+            assert asyncio.get_running_loop().time() < wait_ready
+            await asyncio.sleep(0.01)
+        # Nothing applies the snapshots yet (no follow task): synced must wait.
+        waiting = asyncio.create_task(hub.synced(within=30))
+        await asyncio.sleep(0.2)
+        early = waiting.done()
+        following = asyncio.create_task(remote.follow())  # now the worker applies (and acks)
+        await asyncio.wait_for(waiting, 10)
+        applied = [w.applied for w in hub.serving()] == [hub.version]
+        # A worker that never applies: synced gives up after `within`.
+        following.cancel()
+        began = asyncio.get_running_loop().time()
+        await hub.synced(within=0.3)
+        waited = asyncio.get_running_loop().time() - began
+        await link.close()
+        await asyncio.wait_for(serving, 10)
+        return early, applied, waited
+
+    early, applied, waited = asyncio.run(scenario())
+    assert not early and applied
+    assert 0.3 <= waited < 5

@@ -9,6 +9,7 @@ that goes away (killed, crashed) has every lease it held given back at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,6 +27,8 @@ from corral.supervisor.port import CALLER, Broken, Lease, Supervisor
 
 log = structlog.get_logger("corral.proxy.workers")
 
+# How long a reload's answer waits for the workers to apply it, at most.
+SYNC_S = 2.0
 # The events after which a worker's picture of the daemon may be out of date.
 _CHANGES = frozenset({"state", "reload", "loaded", "stopping", "stopped", "load_failed"})
 
@@ -43,6 +46,8 @@ class Hub:
         # The daemon's lines about a worker's request carry its id, as the worker's own do.
         self.ids = request_id.Ids()
         self.ready_changed = asyncio.Event()
+        self.version = 0  # of the last snapshot pushed
+        self.applied_changed = asyncio.Event()
         daemon.events.listen(self._on_event)
 
     def _on_event(self, event: Event) -> None:
@@ -52,8 +57,23 @@ class Hub:
 
     def _push(self) -> None:
         self._push_soon = None
+        self.version += 1
         for link in list(self._links):
-            link.send_snapshot(full=False)
+            link.send_snapshot(full=False, version=self.version)
+
+    async def synced(self, within: float = SYNC_S) -> None:
+        """Once every serving worker applied the daemon as it is now (a snapshot pushed at
+        once), or `within` seconds: a stuck worker is the watch's to kill, not a reason to
+        hold the reload's answer."""
+        if self._push_soon is not None:
+            self._push_soon.cancel()
+        self._push()
+        version = self.version
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                while any(link.applied < version for link in self.serving()):
+                    self.applied_changed.clear()
+                    await self.applied_changed.wait()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One worker's link, until it ends (asyncio.start_unix_server's callback)."""
@@ -102,11 +122,12 @@ class _WorkerLink:
         # many in a row went unanswered.
         self.pinged = self.ponged = 0
         self.unanswered = 0
+        self.applied = 0  # the last snapshot's version the worker applied
 
     def send(self, message: Any) -> None:
         self._outbox.put(message)
 
-    def send_snapshot(self, full: bool) -> None:
+    def send_snapshot(self, full: bool, version: int = 0) -> None:
         daemon = self.hub.daemon
         names = daemon.model_names()
         specs = {name: daemon.spec(name) for name in names}
@@ -117,17 +138,17 @@ class _WorkerLink:
             specs=specs if full else {n: s for n, s in specs.items() if sent.get(n) is not s},
             gone=frozenset(sent) - specs.keys(),
             ready=frozenset(name for name in names if daemon.ready_now(name)),
-            closing=daemon.closing)
+            closing=daemon.closing, version=version)
         self._sent_loaded, self._sent_specs = loaded, specs
         self.send(("snapshot", snapshot))
 
     async def run(self) -> None:
-        self.send_snapshot(full=True)
+        self.send_snapshot(full=True, version=self.hub.version)
         handlers: dict[str, Callable[..., None]] = {
             "acquire": self._acquire, "pin": self._pin, "broken": self._broken,
             "cancel": self._cancel, "release": self._release, "refused": self._refused,
             "reused": self._reused, "records": self._records, "stalled": self._stalled,
-            "ready": self._ready, "pong": self._pong,
+            "ready": self._ready, "pong": self._pong, "applied": self._applied,
         }
         while True:
             try:
@@ -273,6 +294,10 @@ class _WorkerLink:
 
     def _stalled(self, model: str | None) -> None:
         self.hub.accounting.metrics.client_stalled(model)
+
+    def _applied(self, version: int) -> None:
+        self.applied = max(self.applied, version)
+        self.hub.applied_changed.set()
 
     def _pong(self, seq: int) -> None:
         self.ponged = max(self.ponged, seq)

@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from corral.proxy.accounting import Accounting
+from corral.proxy.admin import RELOAD_HOOKS
 from corral.proxy.listener import connection_limit
 from corral.proxy.workers.hub import Hub
 from corral.supervisor import socket_dir
@@ -63,6 +64,8 @@ class RelayWorkers:
         rpc_path = str(Path(self._dir) / "rpc.sock")
         http_path = str(Path(self._dir) / "http.sock")
         self._rpc = await asyncio.start_unix_server(self.hub.serve, rpc_path)
+        # A reload's answer says it is applied once the workers applied it too.
+        self._runner.app[RELOAD_HOOKS].append(self.hub.synced)
         # The daemon's own app, for what a worker forwards (not counted against the client
         # connections' cap: a worker keeps a few connections and reuses them).
         self._site = web.UnixSite(self._runner, http_path)

@@ -35,6 +35,7 @@ class Snapshot:
     gone: frozenset[str]  # models no longer configured
     ready: frozenset[str]  # models with a ready child now
     closing: bool = False
+    version: int = 0  # acknowledged once applied (`applied`): a reload's answer waits for it
 
 
 @dataclass
@@ -182,9 +183,12 @@ class RemoteDaemon:
         self._closing = snapshot.closing
 
     async def follow(self) -> None:
-        """Apply the daemon's snapshots as they come, until the link ends."""
+        """Apply the daemon's snapshots as they come, until the link ends; each is
+        acknowledged once applied."""
         while True:
-            self.apply(await self._link.snapshots.get())
+            snapshot = await self._link.snapshots.get()
+            self.apply(snapshot)
+            self._link.note("applied", snapshot.version)
 
     @property
     def closing(self) -> bool:
