@@ -71,7 +71,7 @@ test: demo-model embed-model vllm hf agents system-deps
 # The relay's tests again with relay workers on (relay_workers, proxy/workers): every daemon
 # these modules start serves its port through 2 worker processes (conftest.RELAY_WORKERS), so
 # what the daemon alone guarantees (streams, errors, edge checks, keys, groups, faults, the
-# prompt cache, real agents and a browser) holds through the workers too.
+# prompt cache, real agents, a browser, the CLI and a fleet router) holds through the workers.
 WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_fallback.py \
                  tests/test_hostile_http.py tests/test_hostile.py tests/test_api_families.py \
                  tests/test_openai_paths.py tests/test_edge.py tests/test_edge_leaks.py \
@@ -79,7 +79,9 @@ WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_
                  tests/test_reliability.py tests/test_prompt_cache.py \
                  tests/test_prompt_cache_keys.py tests/test_reload.py \
                  tests/test_load_overrides.py tests/test_fleet_mount.py \
-                 tests/test_request_metrics.py tests/test_agents.py tests/test_status_page.py
+                 tests/test_request_metrics.py tests/test_agents.py tests/test_status_page.py \
+                 tests/test_cli.py tests/test_operations.py tests/test_history.py \
+                 tests/test_fleet.py tests/test_fleet_router.py
 .PHONY: test-workers
 test-workers: demo-model agents system-deps
 	CORRAL_TEST_RELAY_WORKERS=2 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \
