@@ -83,7 +83,7 @@ WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_
                  tests/test_cli.py tests/test_operations.py tests/test_history.py \
                  tests/test_fleet.py tests/test_fleet_router.py
 .PHONY: test-workers
-test-workers: demo-model agents system-deps
+test-workers: demo-model embed-model vllm hf agents system-deps
 	CORRAL_TEST_RELAY_WORKERS=2 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \
 	  -p no:cacheprovider $(WORKERS_TESTS)
 
