@@ -474,3 +474,21 @@ def test_a_reloads_answer_waits_for_the_workers_to_apply_it() -> None:
     early, applied, waited = asyncio.run(scenario())
     assert not early and applied
     assert 0.3 <= waited < 5
+
+
+def test_a_message_whose_handling_fails_ends_neither_the_link_nor_its_requests() -> None:
+    """A bug in the daemon's handling of one message (here a record it cannot book) is
+    logged; the link goes on, and the worker's other requests with it."""
+    async def scenario() -> tuple[bool, bool]:
+        daemon, hub, link, remote, serving = await _joined()
+        link.note("records", [("not a record", False)])
+        lease = await asyncio.wait_for(remote.acquire("m"), 10)  # answered: the link lives
+        lease.release()
+        await asyncio.wait_for(daemon.released.wait(), 10)
+        alive = not serving.done() and not link.closed
+        await link.close()
+        await asyncio.wait_for(serving, 10)
+        return alive, daemon.story[-1:] == ["given back"]
+
+    alive, story = asyncio.run(scenario())
+    assert alive and story

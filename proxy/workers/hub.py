@@ -161,7 +161,13 @@ class _WorkerLink:
                     log.warning("relay_worker.unknown_message", kind=str(message[0])[:40],
                                 worker=self.index)
                     continue
-                handler(*message[1:])
+                try:
+                    handler(*message[1:])
+                except Exception:
+                    # A bug in one message's handling (booking a record, say) must not end
+                    # the link: every request of that worker would be cut with it.
+                    log.exception("relay_worker.message_failed", kind=message[0],
+                                  worker=self.index)
 
     def close(self) -> None:
         """The worker is gone: what it waited for is dropped, what it held given back."""
