@@ -480,7 +480,7 @@ def test_a_message_whose_handling_fails_ends_neither_the_link_nor_its_requests()
     """A bug in the daemon's handling of one message (here a record it cannot book) is
     logged; the link goes on, and the worker's other requests with it."""
     async def scenario() -> tuple[bool, bool]:
-        daemon, hub, link, remote, serving = await _joined()
+        daemon, _, link, remote, serving = await _joined()
         link.note("records", [("not a record", False)])
         lease = await asyncio.wait_for(remote.acquire("m"), 10)  # answered: the link lives
         lease.release()
