@@ -492,3 +492,54 @@ def test_a_message_whose_handling_fails_ends_neither_the_link_nor_its_requests()
 
     alive, story = asyncio.run(scenario())
     assert alive and story
+
+
+def test_a_daemon_gone_under_a_forward_is_a_503_before_the_head_and_a_cut_after(
+        tmp_path: Path) -> None:
+    """What a worker forwards when the daemon's socket is gone (its shutdown, a crash) is a
+    503 in the OpenAI shape, not a 500 and a traceback; one whose answer the daemon began and
+    then dropped reaches the client cut (an incomplete chunked body), never as whole."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from corral.proxy import client_io
+    from corral.proxy.workers.forward import ToDaemon
+
+    half = tmp_path / "half.sock"
+
+    async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n6\r\nbegun\n\r\n")
+        await writer.drain()
+        writer.close()  # gone before the last chunk
+
+    async def scenario() -> tuple[int, Any, bool]:
+        server = await asyncio.start_unix_server(half_answer, str(half))
+        gone, cut = ToDaemon(str(tmp_path / "no-daemon.sock"), 8), ToDaemon(str(half), 8)
+
+        async def forwarded(request: web.Request) -> web.StreamResponse:
+            to = gone if request.path == "/gone" else cut
+            return await to.forward(request, None, None)
+
+        app = web.Application()
+        app[client_io.DEADLINE] = client_io.WriteDeadline(seconds=lambda: 5,
+                                                          stalled=lambda model: None)
+        app.router.add_get("/{tail:.*}", forwarded)
+        async with TestClient(TestServer(app)) as client:
+            refused = await client.get("/gone")
+            shape = await refused.json()
+            answer = await client.get("/cut")
+            try:
+                await answer.read()
+                whole = True
+            except Exception:  # aiohttp.ClientPayloadError: the body ended short
+                whole = False
+        await gone.close()
+        await cut.close()
+        server.close()
+        return refused.status, shape, whole
+
+    status, shape, whole = asyncio.run(scenario())
+    assert status == 503 and shape["error"]["code"] == "daemon_unavailable", shape
+    assert not whole

@@ -27,6 +27,8 @@ _REQUEST_HOPS = frozenset({"connection", "keep-alive", "proxy-authorization",
                            "content-length"})
 _ANSWER_HOPS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
                           "date", "server"})
+# Whether a forwarded answer's head went out to the client.
+_STARTED: web.RequestKey[bool] = web.RequestKey("forward_started", bool)
 # A forwarded request may stream as long as the client's does (events, logs -f): no total.
 _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
 
@@ -92,6 +94,21 @@ class ToDaemon:
             # The absolute form (GET http://host/path: RFC 9112 3.2.2), which the daemon
             # alone routes on its path: the path and query, not the whole URL as a path.
             target = request.rel_url.raw_path_qs
+        try:
+            return await self._exchange(request, target, headers, data)
+        except aiohttp.ClientError as exc:
+            # The daemon went away under it (its shutdown, a crash): not a bug of corral's.
+            if request.get(_STARTED):
+                log.info("relay_worker.forward_cut", path=request.path, error=str(exc))
+                # The head is out: the client must see the answer cut, not whole.
+                raise ConnectionResetError("the daemon closed the forwarded answer") from exc
+            log.warning("relay_worker.forward_failed", path=request.path, error=str(exc))
+            return error_response(
+                503, "corral is restarting or shutting down; retry shortly",
+                kind="server_error", code="daemon_unavailable", retry_after=1)
+
+    async def _exchange(self, request: web.Request, target: str,
+                        headers: CIMultiDict[str], data: object) -> web.StreamResponse:
         async with self._session.request(
                 request.method, URL("http://corral" + target, encoded=True),
                 headers=headers, data=data, allow_redirects=False,
@@ -107,6 +124,7 @@ class ToDaemon:
             # Each write under the client's deadline (client_write_timeout), as the daemon's.
             out = client_io.writer(request, response, None)
             await out.prepare()
+            request[_STARTED] = True
             async for chunk in upstream.content.iter_any():
                 await out.write(chunk)
             await out.finish()
