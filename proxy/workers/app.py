@@ -115,14 +115,20 @@ async def _served(request: web.Request) -> web.StreamResponse:
     name = body.get("model")
     canonical = daemon.resolve(name) if isinstance(name, str) else None
     if canonical is None or not daemon.ready_now(canonical):
-        return await _forwarded(request, raw)
+        # What the daemon's answer is for (a model, an exposed group): a client that stalls
+        # on it is counted under that, as by the daemon alone.
+        label = canonical
+        if label is None and isinstance(name, str) and name in daemon.groups():
+            label = name
+        return await _forwarded(request, raw, label)
     record = request[RECORD]
     record.model = canonical
     record.stream = body.get("stream") is True
     return await relay_to_model(request, raw, body, canonical, loading_progress=False)
 
 
-async def _forwarded(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+async def _forwarded(request: web.Request, body: bytes | None = None,
+                     model: str | None = None) -> web.StreamResponse:
     to_daemon = request.app[TO_DAEMON]
     full = to_daemon.refusal()
     if full is not None:
@@ -131,4 +137,4 @@ async def _forwarded(request: web.Request, body: bytes | None = None) -> web.Str
     record = request.get(RECORD)
     if record is not None:
         request.app[_ACCOUNTS].forwarded(record)
-    return await to_daemon.forward(request, body, request.get(REQUEST_ID))
+    return await to_daemon.forward(request, body, request.get(REQUEST_ID), model)

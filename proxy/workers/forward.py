@@ -69,19 +69,21 @@ class ToDaemon:
     async def close(self) -> None:
         await self._session.close()
 
-    async def forward(self, request: web.Request, body: bytes | None,
-                      rid: str | None) -> web.StreamResponse:
+    async def forward(self, request: web.Request, body: bytes | None, rid: str | None,
+                      model: str | None = None) -> web.StreamResponse:
         """`request` to the daemon and its answer back; `body`: read already (else streamed
-        from the client); `rid`: the request id the worker chose, which the daemon keeps.
+        from the client); `rid`: the request id the worker chose, which the daemon keeps;
+        `model`: the model or group the answer is for, when known (a client cut off for
+        stalling is counted under it: the worker, not the daemon, writes to the client).
         Counted against `limit` (refusal() said there was room) until it ends."""
         self.open += 1
         try:
-            return await self._forward(request, body, rid)
+            return await self._forward(request, body, rid, model)
         finally:
             self.open -= 1
 
-    async def _forward(self, request: web.Request, body: bytes | None,
-                       rid: str | None) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: bytes | None, rid: str | None,
+                       model: str | None) -> web.StreamResponse:
         headers: CIMultiDict[str] = CIMultiDict(
             (name, value) for name, value in request.headers.items()
             if name.lower() not in _REQUEST_HOPS)
@@ -95,7 +97,7 @@ class ToDaemon:
             # alone routes on its path: the path and query, not the whole URL as a path.
             target = request.rel_url.raw_path_qs
         try:
-            return await self._exchange(request, target, headers, data)
+            return await self._exchange(request, target, headers, data, model)
         except aiohttp.ClientError as exc:
             # The daemon went away under it (its shutdown, a crash): not a bug of corral's.
             if request.get(_STARTED):
@@ -108,7 +110,8 @@ class ToDaemon:
                 kind="server_error", code="daemon_unavailable", retry_after=1)
 
     async def _exchange(self, request: web.Request, target: str,
-                        headers: CIMultiDict[str], data: object) -> web.StreamResponse:
+                        headers: CIMultiDict[str], data: object,
+                        model: str | None) -> web.StreamResponse:
         async with self._session.request(
                 request.method, URL("http://corral" + target, encoded=True),
                 headers=headers, data=data, allow_redirects=False,
@@ -122,7 +125,7 @@ class ToDaemon:
                     "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower():
                 response.content_length = upstream.content_length
             # Each write under the client's deadline (client_write_timeout), as the daemon's.
-            out = client_io.writer(request, response, None)
+            out = client_io.writer(request, response, model)
             await out.prepare()
             request[_STARTED] = True
             async for chunk in upstream.content.iter_any():
