@@ -5,15 +5,18 @@ own machinery)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from conftest import CorralFactory, sse_lines, tiny_config, wait_until
+from conftest import Corral, CorralFactory, sse_lines, tiny_config, wait_until
 
 
 def _config(tiny_models: dict[str, Path], **overrides: Any) -> dict[str, Any]:
@@ -79,3 +82,181 @@ def test_a_stalled_client_of_a_forwarded_stream_is_counted_once_under_its_model(
         assert [e["status"] for e in accounted] == [499], accounted
     finally:
         sock.close()
+
+
+def _both_ways(start_corral: CorralFactory, config: dict[str, Any],
+               scenario: Callable[[Corral], dict[str, Any]],
+               expected: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`scenario` on a corral without workers, then on one with two: what a client and an
+    operator see must be the same (which worker served a request aside)."""
+    seen = []
+    for workers in (0, 2):
+        corral = start_corral({**config, "relay_workers": workers})
+        corral.expect(*expected)
+        if workers:
+            wait_until(lambda c=corral: len(c.log_events("relay_worker.ready")) == 2,
+                       timeout=30)
+        seen.append(scenario(corral))
+    assert seen[0] == seen[1], seen
+    return seen[1]
+
+
+def _stream_cut(corral: Corral, cut: Callable[[], None]) -> dict[str, Any]:
+    """A stream of tiny-a, ready and known so to the workers, cut by `cut` after its first
+    events: what its client saw, how it was booked, and what the next request found."""
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    if corral.relay_worker_pids():
+        wait_until(lambda: _ready_in_workers(corral), timeout=10)
+    body = {"model": "tiny-a", "stream": True, "max_tokens": 3000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "on and on"}]}
+    tail: list[str] = []
+    rid = f"cut-{time.monotonic_ns()}"
+    with httpx.Client(base_url=corral.url, timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body,
+                        headers={"X-Request-Id": rid}) as resp:
+        status = resp.status_code
+        for seen, line in enumerate(sse_lines(resp)):
+            if seen == 6:
+                cut()
+            if seen > 6 and line:
+                tail.append(line)
+    wait_until(lambda: _booked(corral, rid), timeout=10)
+    booked = _booked(corral, rid)
+    after = corral.chat("tiny-a", max_tokens=2)
+    return {"status": status, "last": tail[-1].replace(rid, "RID") if tail else None,
+            "booked": [(r["status"], r["model"], r["stream"]) for r in booked],
+            "served by a worker": [r["worker"] is not None for r in booked]
+            == [bool(corral.relay_worker_pids())],
+            "in_flight": corral.model("tiny-a")["in_flight"], "next": after.status_code,
+            "restarts": corral.model("tiny-a")["restarts"]}
+
+
+def _booked(corral: Corral, rid: str) -> list[dict[str, Any]]:
+    """The request's `proxy.request` lines (a worker's carry `worker`)."""
+    return [{"worker": None, **line} for line in corral.log_events("proxy.request")
+            if line.get("request_id") == rid]
+
+
+def _ready_in_workers(corral: Corral) -> bool:
+    """Whether a worker served a request of tiny-a, so its snapshot has it ready."""
+    rid = f"probe-{time.monotonic_ns()}"
+    corral.http.post("/v1/chat/completions", headers={"X-Request-Id": rid}, json={
+        "model": "tiny-a", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    wait_until(lambda: _booked(corral, rid), timeout=10)
+    return _booked(corral, rid)[0]["worker"] is not None
+
+
+def test_a_forced_unload_cuts_a_workers_stream_as_the_daemons(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    def scenario(corral: Corral) -> dict[str, Any]:
+        def unload() -> None:
+            assert corral.http.post("/admin/models/tiny-a/unload?force=true").status_code == 200
+        return _stream_cut(corral, unload)
+
+    seen = _both_ways(start_corral, tiny_config(tiny_models, ["tiny-a"]), scenario,
+                      ("proxy.upstream_failed", "proxy.request_failed"))
+    assert seen["booked"] == [(502, "tiny-a", True)] and seen["next"] == 200
+    assert seen["last"] is not None and '"upstream_failed"' in seen["last"]
+
+
+def test_a_child_killed_under_a_workers_stream_is_reported_as_the_daemons(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    def scenario(corral: Corral) -> dict[str, Any]:
+        return _stream_cut(corral, lambda: os.kill(corral.model("tiny-a")["pid"],
+                                                   signal.SIGKILL))
+
+    seen = _both_ways(start_corral, tiny_config(tiny_models, ["tiny-a"]), scenario,
+                      ("proxy.upstream_failed", "proxy.request_failed",
+                       "instance.health_failed", "instance.exited"))
+    # The next request got a fresh child: the daemon learnt of the death across the link.
+    assert seen["restarts"] == 1 and seen["next"] == 200
+
+
+def _answer(corral: Corral, model: str) -> tuple[int, Any]:
+    resp = corral.http.post("/v1/chat/completions", json={
+        "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    body = resp.json()
+    error = body.get("error")
+    return resp.status_code, (error["code"], error["message"]) if error else body["model"]
+
+
+def test_an_eviction_and_a_reload_look_the_same_through_a_worker(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    config = tiny_config(tiny_models, ["tiny-a", "tiny-b"], policy={"max_loaded": 1})
+    config["models"]["tiny-a"]["aliases"] = ["first"]
+
+    def scenario(corral: Corral) -> dict[str, Any]:
+        seen: dict[str, Any] = {"a": _answer(corral, "first")}
+        if corral.relay_worker_pids():
+            wait_until(lambda: _ready_in_workers(corral), timeout=10)
+        # tiny-b takes tiny-a's room; tiny-a, ready to the workers a moment ago, comes back.
+        seen["b"] = _answer(corral, "tiny-b")
+        seen["a again"] = _answer(corral, "tiny-a")
+        seen["states"] = {n: corral.model(n)["state"] for n in ("tiny-a", "tiny-b")}
+        # The alias renamed, tiny-b removed: the old names are gone at once, the new one works.
+        changed = {**config, "relay_workers": config.get("relay_workers", 0),
+                   "models": {"tiny-a": {**config["models"]["tiny-a"], "aliases": ["second"]}}}
+        changed["relay_workers"] = 2 if corral.relay_worker_pids() else 0
+        corral.reload_with(changed)
+        seen["old alias"] = _answer(corral, "first")
+        seen["new alias"] = _answer(corral, "second")
+        seen["removed"] = _answer(corral, "tiny-b")
+        return seen
+
+    seen = _both_ways(start_corral, config, scenario)
+    assert seen["a again"] == (200, "tiny-a") and seen["new alias"] == (200, "tiny-a")
+    assert seen["old alias"][0] == seen["removed"][0] == 404
+
+
+def test_the_books_count_each_request_once_as_the_daemon_alone_does(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    """Requests a worker serves, ones it forwards (a cold start, an unknown name) and ones
+    it refuses itself (a bad body): /admin/requests, /metrics and the log lines hold each
+    once, with the same figures as without workers."""
+    def scenario(corral: Corral) -> dict[str, Any]:
+        assert _answer(corral, "tiny-a")[0] == 200  # a start: the daemon's
+        if corral.relay_worker_pids():
+            wait_until(lambda: _ready_in_workers(corral), timeout=10)
+        before = len(corral.http.get("/admin/requests").json()["requests"])
+        counted_before, logged_before = _counted(corral), len(corral.log_events("proxy.request"))
+        chats = [_answer(corral, "tiny-a") for _ in range(4)]
+        streamed = corral.http.post("/v1/chat/completions", json={
+            "model": "tiny-a", "stream": True, "max_tokens": 3, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        unknown = _answer(corral, "no-such-model")
+        bad = corral.http.post("/v1/chat/completions", content=b"{not json",
+                               headers={"Content-Type": "application/json"})
+        # tiny-b's cold start, as the daemon answers it (through a worker: forwarded).
+        cold = _answer(corral, "tiny-b")
+
+        def listed() -> list[dict[str, Any]]:
+            requests: list[dict[str, Any]] = corral.http.get(
+                "/admin/requests").json()["requests"][before:]
+            return requests
+
+        wait_until(lambda: len(listed()) >= 8, timeout=10)
+        wait_until(lambda: len(corral.log_events("proxy.request")) >= logged_before + 8,
+                   timeout=10)
+        counted = _counted(corral)
+        return {
+            "answers": [*chats, streamed.status_code, unknown, bad.status_code, cold],
+            "listed": sorted((r["model"], r["endpoint"], r["status"], r["stream"], r["hit"],
+                              r["tokens_out"]) for r in listed()),
+            "counted": {k: v - counted_before.get(k, 0.0) for k, v in counted.items()
+                        if v != counted_before.get(k, 0.0)},
+            "logged": len(corral.log_events("proxy.request")) - logged_before,
+        }
+
+    seen = _both_ways(start_corral, tiny_config(tiny_models, ["tiny-a", "tiny-b"]), scenario)
+    assert len(seen["listed"]) == seen["logged"] == 8, seen
+
+
+def _counted(corral: Corral) -> dict[str, float]:
+    """The request counters of /metrics, by series."""
+    series = {}
+    for line in corral.http.get("/metrics").text.splitlines():
+        if line.startswith(("corral_requests_total{", "corral_completion_tokens_total{",
+                            "corral_model_hits_total{", "corral_model_misses_total{")):
+            name, _, value = line.rpartition(" ")
+            series[name] = float(value)
+    return series
