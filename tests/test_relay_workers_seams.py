@@ -260,3 +260,35 @@ def _counted(corral: Corral) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             series[name] = float(value)
     return series
+
+
+def _expecting_continue(corral: Corral, model: str) -> tuple[bytes, int]:
+    """A POST that asks `Expect: 100-continue` (curl's way for a big body): the interim
+    answer, then the status of the final one."""
+    address = urlsplit(corral.url)
+    assert address.hostname and address.port
+    body = json.dumps({"model": model, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
+                     b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n"
+                     % (address.netloc.encode(), len(body)))
+        interim = sock.recv(4096)
+        sock.sendall(body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return interim.split(b"\r\n", 1)[0], int(answer.split(b" ", 2)[1])
+
+
+def test_a_client_that_expects_100_continue_is_answered_as_by_the_daemon(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    def scenario(corral: Corral) -> dict[str, Any]:
+        cold = _expecting_continue(corral, "tiny-a")  # forwarded to the daemon's start
+        if corral.relay_worker_pids():
+            wait_until(lambda: _ready_in_workers(corral), timeout=10)
+        return {"cold": cold, "warm": _expecting_continue(corral, "tiny-a")}
+
+    seen = _both_ways(start_corral, tiny_config(tiny_models, ["tiny-a"]), scenario)
+    assert seen["warm"] == (b"HTTP/1.1 100 Continue", 200)
