@@ -292,3 +292,35 @@ def test_a_client_that_expects_100_continue_is_answered_as_by_the_daemon(
 
     seen = _both_ways(start_corral, tiny_config(tiny_models, ["tiny-a"]), scenario)
     assert seen["warm"] == (b"HTTP/1.1 100 Continue", 200)
+
+
+def test_a_ttl_stop_and_a_changed_model_are_followed_by_the_workers(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    config = tiny_config(tiny_models, ["tiny-a"])
+
+    def scenario(corral: Corral) -> dict[str, Any]:
+        seen: dict[str, Any] = {"first": _answer(corral, "tiny-a")}
+        if corral.relay_worker_pids():
+            wait_until(lambda: _ready_in_workers(corral), timeout=10)
+        first_pid = corral.model("tiny-a")["pid"]
+        # An in-place change (the TTL), then the TTL stops the model under the workers.
+        ttl = {**config, "relay_workers": 2 if corral.relay_worker_pids() else 0,
+               "models": {"tiny-a": {**config["models"]["tiny-a"], "ttl": 1}}}
+        seen["in place"] = corral.reload_with(ttl)["ok"], corral.model("tiny-a")["pid"] \
+            == first_pid
+        wait_until(lambda: corral.model("tiny-a")["state"] == "stopped", timeout=20)
+        seen["after the ttl"] = _answer(corral, "tiny-a")
+        if corral.relay_worker_pids():
+            wait_until(lambda: _ready_in_workers(corral), timeout=10)
+        # Changed arguments: a new child; the next request is the new child's.
+        old_pid = corral.model("tiny-a")["pid"]
+        changed = {**ttl, "models": {"tiny-a": {**ttl["models"]["tiny-a"], "ttl": 300,
+                                                "ctx": 4096}}}
+        seen["changed"] = corral.reload_with(changed)["ok"]
+        wait_until(lambda: corral.model("tiny-a")["state"] == "ready"
+                   and corral.model("tiny-a")["pid"] != old_pid, timeout=30)
+        seen["after the change"] = _answer(corral, "tiny-a")
+        return seen
+
+    seen = _both_ways(start_corral, config, scenario)
+    assert seen["after the ttl"] == seen["after the change"] == (200, "tiny-a")
