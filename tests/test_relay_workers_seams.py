@@ -324,3 +324,47 @@ def test_a_ttl_stop_and_a_changed_model_are_followed_by_the_workers(
 
     seen = _both_ways(start_corral, config, scenario)
     assert seen["after the ttl"] == seen["after the change"] == (200, "tiny-a")
+
+
+def test_a_remotes_errors_reach_the_client_as_from_the_daemon_never_its_key(
+        start_corral: CorralFactory) -> None:
+    """A remote endpoint's answers through a worker (its lease carries the remote's key):
+    its refusals and Retry-After pass as without workers, its key never does."""
+    from test_remote_edges import KEY, Remote
+
+    remote = Remote()
+    base = f"http://127.0.0.1:{remote.port}"
+    names = ("echo", "echo-400", "busy", "moved", "fine")
+    config = {"models": {name: {"backend": "remote", "url": f"{base}/v1/", "api_key": KEY,
+                                "served_name": name} for name in names}}
+
+    def scenario(corral: Corral) -> dict[str, Any]:
+        corral.expect("proxy.request_failed", "proxy.upstream_failed")
+        seen: dict[str, Any] = {}
+        for name in names:
+            answers = []
+            for i in range(3):  # the first starts it (the daemon's); the next, a worker's
+                rid = f"{name}-{i}-{time.monotonic_ns()}"
+                for stream in (False, True):
+                    resp = corral.http.post("/v1/chat/completions", headers={
+                        "X-Request-Id": rid + str(stream)}, json={
+                        "model": name, "stream": stream,
+                        "messages": [{"role": "user", "content": "hi"}]})
+                    assert KEY not in resp.text, resp.text
+                    answers.append((resp.status_code, resp.headers.get("Retry-After"),
+                                    resp.text.replace(rid + str(stream), "RID")))
+                if i == 0 and corral.relay_worker_pids():
+                    wait_until(lambda n=name: corral.model(n)["state"] == "ready", timeout=10)
+            seen[name] = answers
+        served = {line.get("model") for line in corral.log_events("proxy.request")
+                  if line.get("worker") is not None}
+        seen["through a worker"] = served == set(names) if corral.relay_worker_pids() \
+            else True
+        assert KEY not in corral.log_path.read_text()
+        return seen
+
+    try:
+        seen = _both_ways(start_corral, config, scenario)
+    finally:
+        remote.close()
+    assert seen["busy"][-1][:2] == (429, "7") and seen["echo"][-1][0] == 502
