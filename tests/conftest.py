@@ -594,6 +594,20 @@ def declared(request: pytest.FixtureRequest) -> LogExpectations:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves this process's SIGINT ignored or blocked makes every process the
+    tests start after it deaf to Ctrl-C (children inherit both): named here, and undone."""
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if handler is signal.SIG_IGN or blocked:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        raise AssertionError(f"{request.node.nodeid} left SIGINT "
+                             f"{'blocked' if blocked else 'ignored'} in the test process")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Every daemon, CLI call and bench the suite starts imports corral anew; where the
     # environment says PYTHONDONTWRITEBYTECODE (CI's does) none of them caches its bytecode,
