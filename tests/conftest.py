@@ -602,13 +602,21 @@ def _sigint_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
     handler = signal.getsignal(signal.SIGINT)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     if handler is signal.SIG_IGN or blocked:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _hear_sigint()
         raise AssertionError(f"{request.node.nodeid} left SIGINT "
                              f"{'blocked' if blocked else 'ignored'} in the test process")
 
 
+def _hear_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's workers start with SIGINT ignored, and every process a test starts
+    # inherited that: `corral logs -f` then outlived its Ctrl-C. A user's shell never starts a
+    # command so.
+    _hear_sigint()
     # Every daemon, CLI call and bench the suite starts imports corral anew; where the
     # environment says PYTHONDONTWRITEBYTECODE (CI's does) none of them caches its bytecode,
     # so each compiled all ~160 of corral's modules from source: 0.14 s of CPU a daemon, some

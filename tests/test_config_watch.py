@@ -103,3 +103,50 @@ def test_a_file_deleted_then_written_anew_applies(deployed):
     before = time.time()
     path.write_text(_config("model-again"))
     _applied(corral, ["model-again"], before)
+
+
+def test_an_edit_made_while_the_watch_moves_to_new_files_is_not_missed(tmp_path: Path) -> None:
+    """After a reload that changes the set of files (a re-pointed link, a new include), the
+    watch starts again on the new set; an edit made before it is in place came as no event,
+    and corral stayed on what the reload had read. Now the config is read again once the new
+    watch is in place. Here the edit comes at the worst moment: as the reload returns."""
+    import asyncio
+    from types import SimpleNamespace
+    from typing import cast
+
+    from corral.supervisor.config import load_config
+    from corral.supervisor.config.watch import watch_config
+
+    first, second = tmp_path / "a" / "corral.yaml", tmp_path / "b" / "corral.yaml"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text(_config("m"))
+    applied: list[list[str]] = []
+
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        daemon = SimpleNamespace(loaded=load_config(first), last_reload=None)
+
+        def reload(trigger: str) -> asyncio.Future[None]:
+            # The first reload moves to b/ (as a re-pointed link would), and b/ is edited
+            # as it returns, before the watch is on b/'s folder.
+            daemon.loaded = load_config(second)
+            applied.append(list(daemon.loaded.models))
+            if len(applied) == 1:
+                second.write_text(_config("m-edited"))
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        daemon.reload = reload
+        watching = asyncio.create_task(watch_config(cast(Any, daemon), stopping))
+        await asyncio.sleep(0.5)  # the first watch is in place
+        first.write_text(_config("m2"))
+        deadline = asyncio.get_running_loop().time() + 15
+        while len(applied) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        stopping.set()
+        await asyncio.wait_for(watching, 10)
+
+    asyncio.run(scenario())
+    assert applied[:2] == [["m"], ["m-edited"]], applied

@@ -36,8 +36,14 @@ def _config(tiny_models: dict[str, Path], **overrides: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def corral(start_corral_module: CorralFactory, tiny_models: dict[str, Path]) -> Corral:
-    corral = start_corral_module(_config(tiny_models))
-    wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 2, timeout=30)
+    return _up(start_corral_module(_config(tiny_models)))
+
+
+def _up(corral: Corral) -> Corral:
+    """`corral` once both its workers serve: /health answers through the first one to come
+    up, and on a loaded machine the second may still be starting."""
+    wait_until(lambda: corral.log_events("corral.listening"), timeout=30)
+    assert len(corral.log_events("relay_worker.ready")) == 2
     return corral
 
 
@@ -233,7 +239,7 @@ def test_a_client_that_leaves_while_queued_leaves_no_lease_behind(
 
 def test_a_killed_worker_gives_its_leases_back_and_is_spawned_again(
         start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
-    corral = start_corral(_config(tiny_models))
+    corral = _up(start_corral(_config(tiny_models)))
     corral.expect("relay_worker.exited", "relay_worker.leases_returned")
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
     first = _workers(corral)
@@ -272,7 +278,7 @@ def test_a_stopped_worker_is_killed_and_spawned_again(
     """A worker whose loop stops (here SIGSTOP: the kernel still hands it new connections,
     and its requests' leases stay held) answers no ping: the daemon kills it, gives its leases
     back and spawns another."""
-    corral = start_corral(_config(tiny_models))
+    corral = _up(start_corral(_config(tiny_models)))
     corral.expect("relay_worker.unresponsive", "relay_worker.exited",
                   "relay_worker.leases_returned")
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
@@ -306,7 +312,7 @@ def test_a_reload_reaches_the_workers(start_corral: CorralFactory,
     """Keys changed by a reload apply in the workers too (the daemon sends them its new
     config); relay_workers itself is read at the start only."""
     config = _config(tiny_models, api_keys=["old-key"])
-    corral = start_corral(config, api_key="old-key")
+    corral = _up(start_corral(config, api_key="old-key"))
 
     def status(key: str) -> int:
         with httpx.Client(base_url=corral.url, timeout=60) as http:
@@ -327,7 +333,7 @@ def test_a_reload_reaches_the_workers(start_corral: CorralFactory,
 
 def test_sigterm_lets_a_workers_stream_finish_then_everything_ends(
         start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
-    corral = start_corral(_config(tiny_models))
+    corral = _up(start_corral(_config(tiny_models)))
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
     workers = _workers(corral)
     body = {"model": "tiny-a", "stream": True, "max_tokens": 1500, "ignore_eos": True,

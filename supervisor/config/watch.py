@@ -7,7 +7,9 @@ change has come for `step_ms`. A file found empty is read again for a moment (a 
 place truncates, then writes) before the reload refuses it. A reload that still catches a file
 half written fails validation and keeps the running config; the write's next event reloads
 again. After each reload the set of files is looked at again, since an
-edit may add or drop an include.
+edit may add or drop an include (or a link on the way was re-pointed); when it changed, the
+watch moves to the new set, and once it is in place the config is read again, so an edit made
+while it moved is not missed.
 
 `watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its
 subfolders; the embedded default too, which has no config file): a model file added, removed
@@ -32,6 +34,8 @@ import structlog
 from watchfiles import Change, awatch
 
 from corral.supervisor import discovery, inventory
+from corral.supervisor.config.include import read_config_file
+from corral.supervisor.config.issues import ConfigError
 from corral.supervisor.config.loaded import LoadedConfig
 from corral.supervisor.daemon import Daemon
 
@@ -82,6 +86,18 @@ def _links_along(path: str) -> set[str]:
     return out
 
 
+def _read_differs(daemon: Daemon) -> bool:
+    """Whether the config on disk now differs from what the active config was read from (or
+    cannot be read: the reload says why)."""
+    loaded = daemon.loaded
+    if loaded.source is None:
+        return False
+    try:
+        return read_config_file(loaded.source).digest != loaded.digest
+    except ConfigError:
+        return True
+
+
 def _only(files: frozenset[str]) -> Callable[[Change, str], bool]:
     def accept(_change: Change, path: str) -> bool:
         return path in files
@@ -91,6 +107,10 @@ def _only(files: frozenset[str]) -> Callable[[Change, str], bool]:
 async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = STEP_MS) -> None:
     """Run until `stopping` is set (the CLI owns this task; setting the event ends the watcher
     thread within a step, where a bare cancel would wait for its timeout)."""
+    # Set when the watch moves to a new set of files: what changes before the new watch is in
+    # place comes as no event, so once it is (its first quiet second) the config is read and
+    # compared with what the last reload applied.
+    moved = False
     while not stopping.is_set():
         files = watched_files(daemon)
         if not files:
@@ -103,12 +123,24 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
             async for changes in awatch(
                     *folders, watch_filter=_only(files),
                     step=step_ms, debounce=MAX_BURST_MS, recursive=False, stop_event=stopping,
-                    rust_timeout=1000):
-                paths = sorted({path for _, path in changes})
+                    rust_timeout=1000, yield_on_timeout=True):
+                if not changes:  # a quiet second: the watch is in place
+                    if moved and _read_differs(daemon):
+                        log.info("config.changed", files=sorted(files), deleted=False,
+                                 note="while the watch moved to these files")
+                        changes = {(Change.modified, "")}
+                    moved = False
+                    if not changes:
+                        continue
+                else:
+                    moved = False
+                paths = sorted({path for _, path in changes if path})
                 deleted = all(kind is Change.deleted for kind, _ in changes)
-                log.info("config.changed", files=paths, deleted=deleted)
+                if paths:
+                    log.info("config.changed", files=paths, deleted=deleted)
                 await asyncio.shield(daemon.reload("file"))
                 if watched_files(daemon) != files:
+                    moved = True
                     break  # includes changed: watch the new set
         except Exception:
             # inotify limits, a folder that vanished: say so, and try again in a while.
