@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -31,6 +32,14 @@ log = structlog.get_logger("corral.proxy.workers")
 SYNC_S = 2.0
 # The events after which a worker's picture of the daemon may be out of date.
 _CHANGES = frozenset({"state", "reload", "loaded", "stopping", "stopped", "load_failed"})
+
+
+@dataclass(frozen=True)
+class _Now:
+    loaded: LoadedConfig
+    specs: dict[str, ModelSpec]
+    ready: frozenset[str]
+    closing: bool
 
 
 class Hub:
@@ -58,8 +67,18 @@ class Hub:
     def _push(self) -> None:
         self._push_soon = None
         self.version += 1
-        for link in list(self._links):
-            link.send_snapshot(full=False, version=self.version)
+        if self._links:
+            now = self.now()  # once for every worker
+            for link in list(self._links):
+                link.send_snapshot(now, full=False, version=self.version)
+
+    def now(self) -> _Now:
+        """What a snapshot tells of the daemon as it is now."""
+        daemon = self.daemon
+        names = daemon.model_names()
+        return _Now(daemon.loaded, {name: daemon.spec(name) for name in names},
+                    frozenset(name for name in names if daemon.ready_now(name)),
+                    daemon.closing)
 
     async def synced(self, within: float = SYNC_S) -> None:
         """Once every serving worker applied the daemon as it is now (a snapshot pushed at
@@ -127,23 +146,19 @@ class _WorkerLink:
     def send(self, message: Any) -> None:
         self._outbox.put(message)
 
-    def send_snapshot(self, full: bool, version: int = 0) -> None:
-        daemon = self.hub.daemon
-        names = daemon.model_names()
-        specs = {name: daemon.spec(name) for name in names}
-        sent = self._sent_specs
-        loaded = daemon.loaded
+    def send_snapshot(self, now: _Now, full: bool, version: int = 0) -> None:
+        """`now` as this worker has yet to hear it (`full`: all of it)."""
+        sent, specs, loaded = self._sent_specs, now.specs, now.loaded
         snapshot = Snapshot(
             loaded=loaded if full or loaded is not self._sent_loaded else None,
             specs=specs if full else {n: s for n, s in specs.items() if sent.get(n) is not s},
-            gone=frozenset(sent) - specs.keys(),
-            ready=frozenset(name for name in names if daemon.ready_now(name)),
-            closing=daemon.closing, version=version)
+            gone=frozenset(sent) - specs.keys(), ready=now.ready, closing=now.closing,
+            version=version)
         self._sent_loaded, self._sent_specs = loaded, specs
         self.send(("snapshot", snapshot))
 
     async def run(self) -> None:
-        self.send_snapshot(full=True, version=self.hub.version)
+        self.send_snapshot(self.hub.now(), full=True, version=self.hub.version)
         handlers: dict[str, Callable[..., None]] = {
             "acquire": self._acquire, "pin": self._pin, "broken": self._broken,
             "cancel": self._cancel, "release": self._release, "refused": self._refused,

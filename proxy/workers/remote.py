@@ -21,7 +21,7 @@ from corral.proxy import request_id
 from corral.proxy.workers import frames
 from corral.supervisor.config import GroupSpec, LoadedConfig, ModelSpec
 from corral.supervisor.errors import ShuttingDown, UnknownModel
-from corral.supervisor.port import Broken, Lease, Restored
+from corral.supervisor.port import CALLER, Broken, Lease, Restored
 
 log = structlog.get_logger("corral.proxy.worker")
 
@@ -220,8 +220,6 @@ class RemoteDaemon:
         return name in self._ready
 
     async def acquire(self, name: str, *, ignore_backoff: bool = False) -> Lease:
-        from corral.supervisor.port import CALLER
-
         grant: LeaseGrant = await self._link.call("acquire", name, ignore_backoff,
                                                   CALLER.get(), request_id.current())
         held = _HeldLease(self._link, grant)
