@@ -398,6 +398,30 @@ class Corral:
         return {pid: cmd for pid, cmd in self.known_children() if same_process(cmd, pid)}
 
 
+# A receive buffer the kernel rounds up to a few KiB: the server's writes back up at once.
+TINY_RCVBUF = 4096
+
+
+def reading_little(host: str, port: int) -> socket.socket:
+    """A client socket that will read nothing (or little): tiny receive buffer, set before
+    the connection so the advertised window stays small."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RCVBUF)
+    sock.settimeout(10)
+    sock.connect((host, port))
+    return sock
+
+
+def flooding_stream(model: str) -> bytes:
+    """A chat body whose stream is megabytes of SSE (thousands of tokens, each with 20
+    alternatives): far more than every buffer between a child and a client holds."""
+    return json.dumps({
+        "model": model, "stream": True, "max_tokens": 3000, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 20,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+    }).encode()
+
+
 def tiny_config(tiny_models: dict[str, Path], names: list[str] | None = None,
                 **overrides: Any) -> dict[str, Any]:
     models = {name: {"model": str(tiny_models[name]), "ctx": 8192}

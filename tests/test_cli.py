@@ -71,11 +71,6 @@ def cli(corral: Corral | None, *args: str, input: str | None = None, admin: bool
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _interruptible() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 class Follower:
     """`corral logs NAME -f` running, its output read line by line as it comes."""
 
@@ -83,10 +78,6 @@ class Follower:
         self.proc = subprocess.Popen(
             [*CORRAL, "logs", *args, "-f"],
             env=env(corral, **({"CORRAL_ADMIN_KEY": ADMIN_KEY} if keys is None else keys)),
-            # As a shell starts it: Ctrl-C (SIGINT) neither ignored nor blocked, whatever this
-            # test process inherited or was left with (a full run's worker once had it
-            # ignored, and every follower outlived its SIGINT).
-            preexec_fn=_interruptible,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         self.out: list[str] = []

@@ -4,7 +4,6 @@ off after client_write_timeout, and the model it held is free again (issue 23, d
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,21 +15,7 @@ from aiohttp import web
 
 from corral.proxy import client_io
 
-from conftest import wait_until
-
-# A receive buffer the kernel rounds up to a few KiB: the server's writes back up at once.
-TINY_RCVBUF = 4096
-
-
-def _raw_client(host: str, port: int) -> socket.socket:
-    """A client socket that will read nothing (or little): tiny receive buffer, set before
-    the connection so the advertised window stays small."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RCVBUF)
-    sock.settimeout(10)
-    sock.connect((host, port))
-    return sock
-
+from conftest import TINY_RCVBUF, flooding_stream, reading_little, wait_until
 
 # -- the defect, on a real corral with SmolLM2 -----------------------------------------------------
 
@@ -42,16 +27,10 @@ def test_a_client_that_never_reads_frees_the_model(start_corral, smol_model):
                             "idle_timeout": 5}},
     })
     assert corral.chat("smol", max_tokens=1).status_code == 200  # loaded: time the stall only
-    # Thousands of tokens, each with 20 alternatives: megabytes of SSE, far more than every
-    # buffer between the child and this socket holds.
-    body = json.dumps({
-        "model": "smol", "stream": True, "max_tokens": 3000, "ignore_eos": True,
-        "logprobs": True, "top_logprobs": 20,
-        "messages": [{"role": "user", "content": "Tell me a very long story."}],
-    }).encode()
+    body = flooding_stream("smol")
     address = urlsplit(corral.url)
     assert address.hostname and address.port
-    sock = _raw_client(address.hostname, address.port)
+    sock = reading_little(address.hostname, address.port)
     try:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
                      b"Content-Type: application/json\r\nX-Request-Id: stuck-reader\r\n"

@@ -16,7 +16,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from conftest import Corral, CorralFactory, sse_lines, tiny_config, wait_until
+from conftest import (
+    Corral,
+    CorralFactory,
+    flooding_stream,
+    reading_little,
+    sse_lines,
+    tiny_config,
+    wait_until,
+)
 
 
 def _config(tiny_models: dict[str, Path], **overrides: Any) -> dict[str, Any]:
@@ -51,17 +59,10 @@ def test_a_stalled_client_of_a_forwarded_stream_is_counted_once_under_its_model(
         "models": {"smol": {"model": str(smol_model), "ctx": 4096, "parallel": 1}},
     })
     wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 2, timeout=30)
-    body = json.dumps({
-        "model": "smol", "stream": True, "max_tokens": 3000, "ignore_eos": True,
-        "logprobs": True, "top_logprobs": 20,
-        "messages": [{"role": "user", "content": "Tell me a very long story."}],
-    }).encode()
+    body = flooding_stream("smol")
     address = urlsplit(corral.url)
     assert address.hostname and address.port
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    sock.connect((address.hostname, address.port))
+    sock = reading_little(address.hostname, address.port)
     try:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
                      b"Content-Type: application/json\r\nX-Request-Id: stuck-cold\r\n"
