@@ -14,9 +14,10 @@ child is killed as unresponsive, the memory loop fails, and no client is served.
   its last answer is closed (aiohttp's keep-alive timer, which also runs before the first
   request; aiohttp's own default, without web.run_app, is an hour);
 - a malformed request head (two Content-Lengths, Content-Length with Transfer-Encoding, a
-  header too long, too many headers, a control byte in a value) gets aiohttp's 400 and the
-  connection closed, as HTTP demands, with one debug line: anyone can send those, and aiohttp
-  logs each with a traceback at ERROR.
+  header too long, too many headers, a control byte in a value) gets a 400 in the OpenAI error
+  shape (aiohttp's own is plain text, which SDKs cannot read) and the connection closed, as
+  HTTP demands, with one debug line: anyone can send those, and aiohttp logs each with a
+  traceback at ERROR.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 
 import structlog
 from aiohttp import http_exceptions, web
+
+from corral.proxy.errors import error_response
 
 log = structlog.get_logger("corral.proxy")
 
@@ -76,6 +79,41 @@ def _malformed(exc: object) -> bool:
         return False
     log.debug("proxy.bad_http", error=type(exc).__name__, reason=str(exc.message)[:200])
     return True
+
+
+class _OpenAIShapedErrors(web.RequestHandler):
+    """aiohttp's connection handler, with the answers it makes below the app (a malformed
+    head, a handler that raised past corral's middleware) in the OpenAI error shape."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's own first: it logs (quietly, above), and raises if an answer was begun.
+        super().handle_error(request, status, exc, message)
+        if 400 <= status < 500:
+            text = f"malformed HTTP request: {message or 'bad request'}"
+            shaped = error_response(status, text[:300], code="bad_http_request")
+        else:
+            shaped = error_response(status, "the request failed inside corral",
+                                    kind="server_error", code="internal_error")
+        shaped.force_close()
+        return shaped
+
+
+def _handler(server: web.Server) -> web.RequestHandler:
+    """A new connection's handler, as `server()` makes it but of _OpenAIShapedErrors: its
+    settings are a private field of aiohttp's Server; a release without it gets aiohttp's own
+    handler (plain-text errors, nothing else lost)."""
+    settings = getattr(server, "_kwargs", None)
+    loop = getattr(server, "_loop", None)
+    if isinstance(settings, dict) and loop is not None:
+        try:
+            return _OpenAIShapedErrors(server, loop=loop, **settings)
+        except TypeError:
+            pass
+    return server()
 
 
 def runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
@@ -149,7 +187,7 @@ class Listener:
         connections = server.connections  # oldest first
         limit = connection_limit() if self.limit is None else self.limit
         if len(connections) < limit or self._evict_idle(connections):
-            return server()
+            return _handler(server)
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
             log.warning("proxy.connections_full", limit=limit, refused=self.refused,

@@ -127,6 +127,12 @@ def test_a_malformed_head_is_refused_closed_and_never_relayed(corral: Corral, re
     got, closed = _exchange(corral, MALFORMED[name], to_the_end=True)
     assert got.startswith(b"HTTP/1.") and got.split(b" ", 2)[1] == b"400", got[:300]
     assert closed, "the connection stays open after a request whose framing is in doubt"
+    # In the OpenAI error shape, as every other refusal: an SDK reads its message.
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_http_request" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("malformed HTTP request: "), error
     assert len(remote.seen) == before
     # The daemon log (checked at the module's end) has no traceback for it: anyone can send
     # these, as fast as the line allows.
