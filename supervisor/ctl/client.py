@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from corral.supervisor.ctl import deadline
 from corral.supervisor.ctl.exits import CtlError, Exit
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # `corral serve`'s default listen address
@@ -86,6 +87,9 @@ class Client:
         if not follow_redirects:
             handlers.append(_Unredirected())
         self._opener = urllib.request.build_opener(*handlers)
+        # For an answer that must come whole within its timeout, head included.
+        self._whole_opener = urllib.request.build_opener(
+            *handlers, deadline.HTTPHandler(), deadline.HTTPSHandler())
 
     # -- requests --------------------------------------------------------------------------
 
@@ -94,7 +98,8 @@ class Client:
         """`max_bytes`: a longer answer is refused (CtlError) rather than read whole, and
         then the whole answer must come within `timeout` too (a server that drips it out
         byte by byte would hold the caller forever)."""
-        with self._open("GET", path, None, timeout, model) as response:
+        with self._open("GET", path, None, timeout, model,
+                        whole=max_bytes is not None) as response:
             if max_bytes is None:
                 return _json(response, self.url + path)
             return _json(response, self.url + path,
@@ -134,7 +139,10 @@ class Client:
                                        f"{text[:200]!r}") from None
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None,
-              timeout: float | None, model: str | None) -> http.client.HTTPResponse:
+              timeout: float | None, model: str | None,
+              whole: bool = False) -> http.client.HTTPResponse:
+        """`whole`: the exchange is cut once `timeout` has passed since the connect, whatever
+        it is reading (a head dripped a byte at a time included)."""
         key = self.admin_key if path.startswith("/admin") else self.api_key
         headers = {"Accept": "application/json"}
         if key.value:
@@ -146,7 +154,8 @@ class Client:
         request = urllib.request.Request(self.url + path, data=data, headers=headers,
                                          method=method)
         try:
-            response: http.client.HTTPResponse = self._opener.open(request, timeout=timeout)
+            opener = self._whole_opener if whole else self._opener
+            response: http.client.HTTPResponse = opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             with exc:
                 raise self._refused(exc, path, key, model) from None
@@ -162,6 +171,8 @@ class Client:
             why = "connection refused"
         elif isinstance(reason, socket.gaierror):
             why = f"unknown host ({reason.strerror})"
+        elif isinstance(reason, deadline.DeadlinePassed):
+            why = str(reason)
         elif isinstance(reason, TimeoutError):
             why = "no answer in time"
         else:
@@ -247,7 +258,7 @@ def model_path(name: str, action: str) -> str:
 
 def _bounded(response: http.client.HTTPResponse, url: str, max_bytes: int,
              timeout: float) -> bytes:
-    deadline = time.monotonic() + timeout
+    until = time.monotonic() + timeout
     parts: list[bytes] = []
     size = 0
     try:
@@ -255,12 +266,14 @@ def _bounded(response: http.client.HTTPResponse, url: str, max_bytes: int,
             size += len(chunk)
             if size > max_bytes:
                 raise CtlError(f"{url} answered more than {max_bytes:,} bytes: is it a corral?")
-            if time.monotonic() > deadline:
-                raise CtlError(f"{url} took more than {timeout:g} s to answer",
-                               Exit.UNREACHABLE)
+            if time.monotonic() > until:
+                break
             parts.append(chunk)
     except (OSError, http.client.HTTPException) as exc:
-        raise CtlError(f"the connection to {url} broke: {exc}", Exit.UNREACHABLE) from None
+        if not deadline.fired(response):
+            raise CtlError(f"the connection to {url} broke: {exc}", Exit.UNREACHABLE) from None
+    if deadline.fired(response) or time.monotonic() > until:
+        raise CtlError(f"{url} took more than {timeout:g} s to answer", Exit.UNREACHABLE)
     return b"".join(parts)
 
 
