@@ -561,3 +561,35 @@ def test_names_of_dots_alone_or_with_control_characters_are_refused(tmp_path):
     path = tmp_path / "dotted.yaml"
     path.write_text(GOOD.replace("  smol:\n", "  .smol.v1.5.:\n"))
     assert ".smol.v1.5." in load_config(path).models
+
+
+def test_keys_no_header_can_carry_and_empty_keys_are_refused_unquoted(tmp_path, monkeypatch):
+    """An empty key would be matched by a bare `Authorization: Bearer` (anyone in); one with
+    a space, a control or a non-ASCII character can be sent by no HTTP client (a browser's
+    fetch throws, the SDKs refuse). Refused where written, for every key and token, without
+    the key in the message."""
+    monkeypatch.delenv("CORRAL_TEST_UNSET_KEY", raising=False)
+    text = ("api_keys: ['${CORRAL_TEST_UNSET_KEY:-}', 'ok-key']\n"
+            "admin_api_keys: ['s3cr\u00e9t-admin']\n"
+            "worker: {token: 'tok en-x'}\n"
+            "peers: {p: {url: 'http://10.0.0.2:8080', token: ''}}\n" + GOOD
+            + "  far:\n    backend: remote\n    url: http://10.0.0.3:8000\n"
+              "    api_key: \"line\\nbreak-key\"\n")
+    issues = _issues(text, tmp_path)
+    said = "\n".join(issues)
+    assert any(": api_keys[0]: " in i and "may not be empty" in i for i in issues), said
+    assert not any(": api_keys[1]: " in i for i in issues), said
+    for where in ("admin_api_keys[0]", "worker.token", "models.far.api_key"):
+        assert any(f": {where}: " in i and "cannot send it" in i for i in issues), (where, said)
+    assert any(": peers.p.token: " in i and "may not be empty" in i for i in issues), said
+    for secret in ("s3cr", "tok en", "break-key"):
+        assert secret not in said
+    # A key of visible ASCII passes, symbols included; a remote's empty key is none (an
+    # endpoint that needs none, `${OPENAI_API_KEY:-}`): nothing to match, nothing sent.
+    path = tmp_path / "fine.yaml"
+    path.write_text("api_keys: ['sk-A1_b.c~d+e/f=', '!#$%&*']\n" + GOOD
+                    + "  far:\n    backend: remote\n    url: http://10.0.0.3:8000\n"
+                      "    api_key: ''\n")
+    loaded = load_config(path)
+    assert len(loaded.config.api_keys) == 2
+    assert loaded.config.models["far"].api_key is None

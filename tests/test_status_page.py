@@ -90,6 +90,10 @@ def test_the_page_shows_models_live_and_loads_and_unloads_them(
 
     # The page asks for the key; a wrong one is refused, the right one opens it.
     expect(page.locator("#keyform")).to_be_visible()
+    # A key no header can carry is said to be one, not thrown by fetch unseen.
+    page.fill("#key", "ключ admin")
+    page.press("#key", "Enter")
+    expect(page.locator("#keymsg")).to_contain_text("ASCII")
     page.fill("#key", "wrong-key")
     page.press("#key", "Enter")
     expect(page.locator("#keymsg")).to_contain_text("refused")

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from corral.supervisor.backends.binaries import STANDARD_KV_TYPES, TURBO_KV_TYPES
-from corral.supervisor.config.schema.base import STRICT
+from corral.supervisor.config.schema.base import STRICT, SentKey
 from corral.supervisor.config.schema.memory import CacheRamMb, KvCacheConfig
 from corral.supervisor.config.schema.overrides import LoadOverridesConfig
 from corral.supervisor.config.schema.request import RequestFilters
@@ -141,7 +141,7 @@ class ModelConfig(BaseModel):
     url: str | None = Field(
         None, description="remote: the endpoint's OpenAI-compatible base URL "
         "(http(s)://host[:port][/prefix], with or without a trailing /v1)")
-    api_key: SecretStr | None = Field(
+    api_key: SentKey = Field(
         None, description="remote: sent as `Authorization: Bearer` (a secret: never shown)")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vllm: the fraction of the WHOLE GPU it takes (default: "

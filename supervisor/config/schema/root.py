@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 import socket
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-from corral.supervisor.config.schema.base import STRICT
+from corral.supervisor.config.schema.base import STRICT, HeaderKey
 from corral.supervisor.config.schema.defaults import Defaults
 from corral.supervisor.config.schema.groups import GroupConfig
 from corral.supervisor.config.schema.memory import MemoryConfig
@@ -34,8 +34,8 @@ class Config(BaseModel):
     models_dir: str | None = Field(
         None, description="folder whose *.gguf files become on-demand models (relative to "
         "this file). Default: `models` beside the config file, if it is there")
-    api_keys: list[SecretStr] = []
-    admin_api_keys: list[SecretStr] = []
+    api_keys: list[HeaderKey] = []
+    admin_api_keys: list[HeaderKey] = []
     admin_open: bool = Field(
         False, description="allow /admin without keys on a non-loopback listen address")
     allowed_origins: list[str] = Field(

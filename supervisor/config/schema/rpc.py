@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-from corral.supervisor.config.schema.base import STRICT
+from corral.supervisor.config.schema.base import STRICT, HeaderKey
 
 __all__ = ["PeerConfig", "RpcConfig", "WorkerConfig"]
 
@@ -36,7 +36,7 @@ class PeerConfig(BaseModel):
     model_config = STRICT
 
     url: str = Field(description="the peer corral's address, e.g. http://10.0.0.2:8080")
-    token: SecretStr = Field(min_length=1, description="its worker.token (sent as a Bearer key)")
+    token: HeaderKey = Field(description="its worker.token (sent as a Bearer key)")
 
 
 class WorkerConfig(BaseModel):
@@ -45,8 +45,8 @@ class WorkerConfig(BaseModel):
     enabled: bool = Field(
         False, description="serve as a worker: no models of its own; peers ask it to run "
         "rpc-servers (also `corral serve --worker`)")
-    token: SecretStr | None = Field(
-        None, min_length=1, description="the key peers must send (Bearer); required")
+    token: HeaderKey | None = Field(
+        None, description="the key peers must send (Bearer); required")
     bind: str = Field(
         "127.0.0.1", description="the address its rpc-servers listen on; rpc-server has no "
         "authentication, so anything but loopback is logged as a warning")
