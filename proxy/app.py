@@ -72,6 +72,11 @@ STARTED: web.RequestKey[bool] = web.RequestKey("started", bool)
 # A relay worker's request that the daemon answers (proxy/workers/forward.py): the daemon
 # accounts for it and heads its answer.
 FORWARDED: web.RequestKey[bool] = web.RequestKey("forwarded", bool)
+# On the daemon's answer to a forwarded request (it came over the workers' Unix socket): the
+# model or group the daemon counts it under, which the worker, who writes it to the client,
+# counts a stalled client under too (a group's /v1/batch, a model that was loading). The
+# worker takes it off.
+COUNTED_AS_HEADER = "X-Corral-Counted-As"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -200,6 +205,16 @@ async def send_request_id(request: web.Request, response: web.StreamResponse) ->
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[request_id.HEADER] = rid
+    record = request.get(RECORD)
+    if record is not None and record.model is not None and _from_a_worker(request):
+        response.headers[COUNTED_AS_HEADER] = record.model
+
+
+def _from_a_worker(request: web.Request) -> bool:
+    """Whether `request` came over the relay workers' Unix socket (a TCP client's sockname
+    is a tuple)."""
+    transport = request.transport
+    return transport is not None and isinstance(transport.get_extra_info("sockname"), str)
 
 
 def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:

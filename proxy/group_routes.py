@@ -80,6 +80,14 @@ def failed_response(exc: GroupFailed, daemon: Supervisor) -> web.Response:
     return error_response(502, str(exc), kind="server_error", code=exc.code, extra=details)
 
 
+async def _whole(request: web.Request, response: web.Response,
+                 group: GroupSpec) -> web.StreamResponse:
+    """A group's whole answer (every member's answer in it: megabytes with logprobs), written
+    under the client's deadline: aiohttp would wait on a client that stopped reading for as
+    long as it stays connected, holding the answer and the handler."""
+    return await client_io.send(request, response, group.name)
+
+
 def _group_name(body: dict[str, Any]) -> str:
     name = body.get("group")
     if not isinstance(name, str) or not name:
@@ -96,9 +104,9 @@ async def batch_execute(request: web.Request, runner: GroupRunner, body: dict[st
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
         _count(request[RECORD], exc.outcome)
-        return failed_response(exc, runner.daemon)
+        return await _whole(request, failed_response(exc, runner.daemon), group)
     _count(request[RECORD], outcome)
-    return web.json_response(outcome.as_dict())
+    return await _whole(request, web.json_response(outcome.as_dict()), group)
 
 
 def _count(record: RequestRecord, outcome: GroupOutcome) -> None:
@@ -123,11 +131,11 @@ async def chain_execute(request: web.Request, runner: GroupRunner, body: dict[st
         outcome = await runner.run(group, body)
     except GroupFailed as exc:
         _count(request[RECORD], exc.outcome)
-        return failed_response(exc, runner.daemon)
+        return await _whole(request, failed_response(exc, runner.daemon), group)
     _count(request[RECORD], outcome)
     result = outcome.as_dict()
     result["steps"] = result.pop("responses")
-    return web.json_response(result)
+    return await _whole(request, web.json_response(result), group)
 
 
 def _as_chain(group: GroupSpec) -> GroupSpec:
@@ -217,11 +225,12 @@ async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
             outcome = await runner.run(group, body, final_step=synthesize)
         except GroupFailed as exc:
             known.append(exc.outcome)
-            return failed_response(exc, runner.daemon)
+            return await _whole(request, failed_response(exc, runner.daemon), group)
         known.append(outcome)
         answer = final_answer(outcome, synthesis_end[0] if synthesis_end else None)
         record.first_bytes()  # the whole answer goes out now
-        return web.json_response(writer.whole(answer, outcome.as_dict()))
+        return await _whole(request, web.json_response(writer.whole(answer, outcome.as_dict())),
+                            group)
 
     response = web.StreamResponse(headers=sse.sse_headers())
     # Every write has the client's deadline: one that stops reading is cut off (ClientStalled)
@@ -244,7 +253,7 @@ async def _answer(request: web.Request, runner: GroupRunner, group: GroupSpec,
     except GroupFailed as exc:
         known.append(exc.outcome)
         if not response.prepared:
-            return failed_response(exc, runner.daemon)
+            return await _whole(request, failed_response(exc, runner.daemon), group)
         # The status line said 200: the record says what the client was told in the stream.
         shutting_down = runner.daemon.closing
         record.error_status = 503 if shutting_down else 502

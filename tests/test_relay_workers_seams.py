@@ -15,6 +15,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from fake_upstream import exchanges
+from raw_server import RawServer
 
 from conftest import (
     Corral,
@@ -369,3 +371,68 @@ def test_a_remotes_errors_reach_the_client_as_from_the_daemon_never_its_key(
     finally:
         remote.close()
     assert seen["busy"][-1][:2] == (429, "7") and seen["echo"][-1][0] == 502
+
+
+class _BigAnswers(RawServer):
+    """A remote endpoint whose chat answers are 1.5 MB each: a group's whole answer holds
+    every member's, more than every buffer between corral and a client that reads nothing."""
+
+    def serve(self, conn: socket.socket) -> None:
+        for _method, _path, _headers, raw in exchanges(conn):
+            model = json.loads(raw or b"{}").get("model")
+            body = json.dumps({"id": "r", "object": "chat.completion", "model": model,
+                               "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                   "role": "assistant", "content": "x" * 1_500_000}}],
+                               "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                         "total_tokens": 2}}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_a_client_that_stops_reading_a_groups_whole_answer_is_cut_off_under_the_group(
+        start_corral: CorralFactory) -> None:
+    """/v1/batch's answer (every member's, whole) to a client that reads nothing: aiohttp
+    would have waited on it for as long as it stayed connected, the answer held. Cut off
+    after client_write_timeout and counted under the group, with workers as without (a
+    worker, which writes the daemon's answer, counted it under `_none`)."""
+    remote = _BigAnswers()
+    base = f"http://127.0.0.1:{remote.port}"
+    config = {"client_write_timeout": 2,
+              "models": {name: {"backend": "remote", "url": base} for name in ("big-a", "big-b")},
+              "groups": {"pair": {"type": "parallel", "models": ["big-a", "big-b"]}}}
+
+    def scenario(corral: Corral) -> dict[str, Any]:
+        body = json.dumps({"group": "pair", "messages": [
+            {"role": "user", "content": "hi"}]}).encode()
+        address = urlsplit(corral.url)
+        assert address.hostname and address.port
+        sock = reading_little(address.hostname, address.port)
+        try:
+            sock.sendall(b"POST /v1/batch/execute HTTP/1.1\r\nHost: %s\r\n"
+                         b"Content-Type: application/json\r\nX-Request-Id: stuck-batch\r\n"
+                         b"Content-Length: %d\r\n\r\n%s"
+                         % (address.netloc.encode(), len(body), body))
+            wait_until(lambda: corral.log_events("proxy.client_stalled"), timeout=60,
+                       interval=0.2)
+            wait_until(lambda: _booked(corral, "stuck-batch"), timeout=60, interval=0.2)
+        finally:
+            sock.close()
+        metrics = corral.http.get("/metrics").text
+        booked = [(r["status"], r["model"]) for r in _booked(corral, "stuck-batch")]
+        # Booked once, under the group. The status is what the daemon handed on: without
+        # workers the client cut off (499); with them the worker, whose buffers may have
+        # taken the whole answer before its client stalled (200), as a kernel's send buffer
+        # may for a daemon alone with a smaller answer.
+        assert booked == [(499, "pair")] or (corral.relay_worker_pids()
+                                             and booked == [(200, "pair")]), booked
+        return {"stalled": [(e["model"], e["request_id"])
+                            for e in corral.log_events("proxy.client_stalled")],
+                "metric": [m for m in metrics.splitlines()
+                           if m.startswith("corral_client_write_timeouts_total{")]}
+
+    try:
+        seen = _both_ways(start_corral, config, scenario)
+    finally:
+        remote.close()
+    assert seen == {"stalled": [("pair", "stuck-batch")],
+                    "metric": ['corral_client_write_timeouts_total{model="pair"} 1.0']}, seen

@@ -17,6 +17,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from corral.proxy import client_io, request_id
+from corral.proxy.app import COUNTED_AS_HEADER
 from corral.proxy.errors import error_response
 
 log = structlog.get_logger("corral.proxy.worker")
@@ -26,7 +27,7 @@ _REQUEST_HOPS = frozenset({"connection", "keep-alive", "proxy-authorization",
                            "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                            "content-length"})
 _ANSWER_HOPS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
-                          "date", "server"})
+                          "date", "server", COUNTED_AS_HEADER.lower()})
 # Whether a forwarded answer's head went out to the client.
 _STARTED: web.RequestKey[bool] = web.RequestKey("forward_started", bool)
 # A forwarded request may stream as long as the client's does (events, logs -f): no total.
@@ -124,7 +125,9 @@ class ToDaemon:
             if upstream.content_length is not None and \
                     "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower():
                 response.content_length = upstream.content_length
-            # Each write under the client's deadline (client_write_timeout), as the daemon's.
+            # Each write under the client's deadline (client_write_timeout), as the daemon's;
+            # a stall counted under what the daemon counts the request under.
+            model = upstream.headers.get(COUNTED_AS_HEADER, model)
             out = client_io.writer(request, response, model)
             await out.prepare()
             request[_STARTED] = True
