@@ -81,7 +81,7 @@ WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_
                  tests/test_load_overrides.py tests/test_fleet_mount.py \
                  tests/test_request_metrics.py tests/test_agents.py tests/test_status_page.py \
                  tests/test_cli.py tests/test_operations.py tests/test_history.py \
-                 tests/test_fleet.py tests/test_fleet_router.py
+                 tests/test_fleet.py tests/test_fleet_router.py tests/test_remote_edges.py
 .PHONY: test-workers
 test-workers: demo-model embed-model vllm hf agents system-deps
 	CORRAL_TEST_RELAY_WORKERS=2 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \

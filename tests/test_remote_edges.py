@@ -23,7 +23,7 @@ from corral.proxy.child_http import ChildPool
 from corral.proxy.errors import UpstreamFailed
 from corral.proxy.forward import open_child
 
-from conftest import Corral, CorralFactory
+from conftest import RELAY_WORKERS, Corral, CorralFactory
 
 KEY = "sk-remote-7c41d2e9b0"
 
@@ -176,7 +176,8 @@ def test_many_requests_at_once_share_a_few_kept_alive_connections(
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda _: corral.chat("fine"), range(48)))
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    assert remote.connections - before <= 4  # `parallel` at once, each kept for the next
+    # `parallel` at once, each kept for the next; each relay worker keeps its own.
+    assert remote.connections - before <= 4 * max(1, RELAY_WORKERS)
 
 
 def test_a_connect_that_hangs_costs_one_connect_timeout_not_three() -> None:
