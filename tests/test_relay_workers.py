@@ -298,7 +298,9 @@ def test_a_stopped_worker_is_killed_and_spawned_again(
         assert stopped
     unresponsive = corral.log_events("relay_worker.unresponsive")
     assert {e["pid"] for e in unresponsive} == set(first)
-    assert [e["leases"] for e in corral.log_events("relay_worker.leases_returned")] == [1]
+    # Returned once the killed worker is reaped, a moment after it was found unresponsive.
+    returned = wait_until(lambda: corral.log_events("relay_worker.leases_returned"), timeout=30)
+    assert [e["leases"] for e in returned] == [1]
     wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 4, timeout=30)
     corral.http.close()
     corral.http = httpx.Client(base_url=corral.url, timeout=60)
