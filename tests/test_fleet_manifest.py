@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -147,6 +148,8 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
         if kind == "elsewhere":
             self.keys_elsewhere.append(self.headers.get("Authorization"))
             body = json.dumps({"object": "list", "data": [{"id": "theirs"}]}).encode()
+        elif kind == "good":
+            body = json.dumps({"object": "list", "data": [{"id": "ours"}]}).encode()
         elif kind == "deep":  # valid JSON nested deeper than Python's stack
             body = b"[" * 200_000 + b"]" * 200_000
         else:  # "huge": a real model list, over 16 MiB
@@ -181,29 +184,58 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_hostile_node_is_left_out_and_crashes_nothing() -> None:
-    """A node whose /v1/models is nested too deep, too large, or never ends (its body, or its
-    head, dripped a byte at a time) is left out, said on stderr, with no traceback (a watcher
-    would have died on the first, filled its memory on the second and hung, SIGTERM included,
-    on the others)."""
+def _serving(tls: ssl.SSLContext | None = None) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _certificate(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (openssl, as an operator makes one)."""
+    cert, key = folder / "node.crt", folder / "node.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+def test_a_hostile_node_is_left_out_and_crashes_nothing(tmp_path: Path) -> None:
+    """A node whose /v1/models is nested too deep, too large, or never ends (its body, or its
+    head, dripped a byte at a time, over HTTP or HTTPS) is left out, said on stderr, with no
+    traceback (a watcher would have died on the first, filled its memory on the second and
+    hung, SIGTERM included, on the others)."""
+    cert, key = _certificate(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server, secure = _serving(), _serving(tls)
+    # The node's certificate is trusted as an operator would make it trusted.
+    trusting = {**os.environ, "SSL_CERT_FILE": str(cert)}
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        for kinds, said in ((["deep"], "not JSON"), (["huge"], "more than 16,777,216 bytes"),
+        secure_base = f"https://127.0.0.1:{secure.server_address[1]}"
+        done = fleet(f"{secure_base}/good", env=trusting)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["workers"] == [
+            {"url": f"{secure_base}/good/w/ours", "model_id": "ours"}]
+        for nodes, said in (([f"{base}/deep"], "not JSON"),
+                            ([f"{base}/huge"], "more than 16,777,216 bytes"),
                             # Read at once: their 10 s each run side by side.
-                            (["drip", "driphead"], "took more than 10 s")):
-            done = fleet(*(f"{base}/{kind}" for kind in kinds))
-            assert done.returncode == 1, (kinds, done.stderr)
-            for kind in kinds:
-                assert f"{base}/{kind}: left out of the manifest: " in done.stderr, done.stderr
-            assert done.stderr.count(said) == len(kinds), (kinds, done.stderr)
+                            ([f"{base}/drip", f"{base}/driphead", f"{secure_base}/driphead"],
+                             "took more than 10 s")):
+            done = fleet(*nodes, env=trusting)
+            assert done.returncode == 1, (nodes, done.stderr)
+            for node in nodes:
+                assert f"{node}: left out of the manifest: " in done.stderr, done.stderr
+            assert done.stderr.count(said) == len(nodes), (nodes, done.stderr)
             assert "Traceback" not in done.stderr, done.stderr
             assert "no node answered" in done.stderr
     finally:
-        server.shutdown()
-        server.server_close()
+        for each in (server, secure):
+            each.shutdown()
+            each.server_close()
 
 
 def test_a_node_that_redirects_is_left_out_and_its_key_goes_nowhere_else() -> None:

@@ -98,7 +98,11 @@ class HTTPHandler(urllib.request.HTTPHandler):
 
 class HTTPSHandler(urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_SecureConnection, req, context=self._context)  # type: ignore[attr-defined]
+        # As urllib's own: its context, and (Python 3.11) its check_hostname when one was set.
+        settings: dict[str, Any] = {"context": getattr(self, "_context", None)}
+        if getattr(self, "_check_hostname", None) is not None:
+            settings["check_hostname"] = self._check_hostname  # type: ignore[attr-defined]
+        return self.do_open(_SecureConnection, req, **settings)
 
 
 def fired(response: object) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, SecretStr
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, SecretStr
 
 __all__ = ["STRICT", "HeaderKey", "SentKey"]
 
@@ -29,8 +29,10 @@ def _sendable(value: SecretStr) -> SecretStr:
     return value
 
 
-# A key or token that travels in a request header.
-HeaderKey = Annotated[SecretStr, AfterValidator(_sendable)]
+# A key or token that travels in a request header (the pattern is for editors that read
+# presets/corral.schema.json; the check is _sendable's).
+HeaderKey = Annotated[SecretStr, AfterValidator(_sendable),
+                      Field(json_schema_extra={"pattern": "^[!-~]+$"})]
 
 
 def _none_when_empty(value: object) -> object:
@@ -39,4 +41,7 @@ def _none_when_empty(value: object) -> object:
 
 # A key corral sends (a remote's api_key): empty is none at all (`${OPENAI_API_KEY:-}` for an
 # endpoint that may need none), else as a HeaderKey.
-SentKey = Annotated[HeaderKey | None, BeforeValidator(_none_when_empty)]
+SentKey = Annotated[
+    Annotated[SecretStr, AfterValidator(_sendable),
+              Field(json_schema_extra={"pattern": "^[!-~]*$"})] | None,
+    BeforeValidator(_none_when_empty)]
