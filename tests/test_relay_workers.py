@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import Corral, CorralFactory, sse_lines, tiny_config, wait_until
+from conftest import Corral, CorralFactory, gone, sse_lines, tiny_config, wait_until
 
 LONG = {"max_tokens": 3000, "ignore_eos": True}  # seconds of generation on the tiny model
 
@@ -307,6 +307,27 @@ def test_a_stopped_worker_is_killed_and_spawned_again(
     assert corral.model("tiny-a")["in_flight"] == 0
     assert corral.chat("tiny-a", max_tokens=1).status_code == 200
     assert not set(_workers(corral)) & set(first)
+
+
+def test_a_killed_daemon_takes_its_workers_with_it_and_frees_its_port(
+        start_corral: CorralFactory, tiny_models: dict[str, Path]) -> None:
+    """SIGKILL to the daemon (the OOM killer, kill -9) leaves nothing serving: its workers
+    die with it (they would otherwise go on answering its port from a stale snapshot, their
+    leases held by nobody), its children too, and the port is free for the next daemon."""
+    corral = _up(start_corral(_config(tiny_models)))
+    corral.expect(exit_code=-signal.SIGKILL)
+    assert corral.chat("tiny-a", max_tokens=1).status_code == 200
+    workers = _workers(corral)
+    assert len(workers) == 2
+    survivors = [corral.model("tiny-a")["pid"], *workers]
+    corral.proc.send_signal(signal.SIGKILL)
+    corral.proc.wait(10)
+    wait_until(lambda: all(gone(pid) for pid in survivors), timeout=10)
+    host, port = corral.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.socket() as probe:
+        assert probe.connect_ex((host, int(port))) != 0, "something still listens on its port"
+    with socket.create_server((host, int(port))):
+        pass  # bound by another process at once: nobody holds it
 
 
 def test_a_reload_reaches_the_workers(start_corral: CorralFactory,
