@@ -280,6 +280,22 @@ def test_a_request_in_absolute_form_is_forwarded_to_its_path(corral: Corral) -> 
         assert b'"tiny-a"' in answer
 
 
+def test_a_request_without_host_is_forwarded_without_one(corral: Corral) -> None:
+    """HTTP/1.0 lets a request name no Host (HAProxy's `option httpchk` sends such a probe,
+    and so do other load balancers' and monitors'); the daemon alone answers it. A worker
+    forwarded it with aiohttp's own Host (`corral`, the socket's stand-in name), which the
+    daemon's edge refused: 403 host_not_allowed for /health and every forwarded path."""
+    port = int(corral.url.rsplit(":", 1)[1])
+    for _ in range(6):  # both workers, most likely
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200 "), answer[:300]
+        assert b'"status": "ok"' in answer
+
+
 def test_workers_that_never_come_up_fail_the_start_cleanly(
         start_corral: CorralFactory, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """Every worker dies at its start (here: a sitecustomize that ends any relay worker): the

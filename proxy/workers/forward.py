@@ -90,6 +90,11 @@ class ToDaemon:
             if name.lower() not in _REQUEST_HOPS)
         if rid is not None:
             headers[request_id.HEADER] = rid
+        if "Host" not in headers:
+            # HTTP/1.0 without Host (a load balancer's health check): the daemon sees none
+            # either (an empty one, which HTTP/1.1 asks for), not aiohttp's own `corral`, a
+            # name corral does not answer to (a 403 host_not_allowed).
+            headers["Host"] = ""
         data = body if body is not None else (
             request.content.iter_any() if request.body_exists else None)
         target = request.raw_path
