@@ -436,3 +436,49 @@ def test_a_client_that_stops_reading_a_groups_whole_answer_is_cut_off_under_the_
         remote.close()
     assert seen == {"stalled": [("pair", "stuck-batch")],
                     "metric": ['corral_client_write_timeouts_total{model="pair"} 1.0']}, seen
+
+
+def test_a_forwarded_request_whose_body_never_comes_is_answered_as_by_the_daemon(
+        start_corral: CorralFactory) -> None:
+    """A head that announces a body and no body, on paths a worker forwards whole (a group's,
+    a mount's, one corral lacks): a body past max_body_mb is a 413 at once, one that never
+    comes a 408 after client_write_timeout, a path corral lacks a 404 at once, as from the
+    daemon alone. The worker's client held the head back until the body's first bytes: the
+    daemon never saw the request, and the client waited 75 s (the daemon's idle timeout on
+    the worker's connection) for a 503 saying corral was restarting, holding one of the
+    worker's forwarded slots meanwhile, without a key."""
+    config = {"max_body_mb": 1, "client_write_timeout": 2, "api_keys": ["user-key"],
+              "models": {"far": {"backend": "remote", "url": "http://127.0.0.1:9"}},
+              "groups": {"pair": {"type": "parallel", "models": ["far"],
+                                  "expose_as_model": True}}}
+    too_big = (b"/v1/batch/execute", b"/v1/chain/execute", b"/w/far/v1/chat/completions",
+               b"/w/pair/v1/chat/completions")
+    heads = [(target, 2 << 20) for target in too_big] + [
+        (b"/v1/batch/execute", 100), (b"/w/pair/v1/chat/completions", 100), (b"/nowhere", 100)]
+
+    def scenario(corral: Corral) -> dict[str, Any]:
+        address = urlsplit(corral.url)
+        assert address.hostname and address.port
+        seen = {}
+        for target, length in heads:
+            # Within the daemon's 75 s: what comes after that is not an answer to the head.
+            with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer user-key"
+                             b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % (target, address.netloc.encode(), length))
+                got = b""
+                while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                    chunk = sock.recv(65536)
+                    assert chunk, got
+                    got += chunk
+            head, _, body = got.partition(b"\r\n\r\n")
+            seen[f"{target.decode()} {length}"] = (int(head.split(b" ", 2)[1]),
+                                                   json.loads(body)["error"]["code"])
+        return seen
+
+    seen = _both_ways(start_corral, config, scenario)
+    assert seen == {**{f"{target.decode()} {2 << 20}": (413, "request_too_large")
+                       for target in too_big},
+                    "/v1/batch/execute 100": (408, "request_timeout"),
+                    "/w/pair/v1/chat/completions 100": (408, "request_timeout"),
+                    "/nowhere 100": (404, "not_found")}, seen

@@ -9,10 +9,12 @@ its answer comes back as it streams."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -32,6 +34,20 @@ _ANSWER_HOPS = frozenset({"connection", "keep-alive", "transfer-encoding", "cont
 _STARTED: web.RequestKey[bool] = web.RequestKey("forward_started", bool)
 # A forwarded request may stream as long as the client's does (events, logs -f): no total.
 _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+
+
+async def _as_it_comes(content: StreamReader) -> AsyncIterator[bytes]:
+    """A client's body as it streams, after an empty first piece. aiohttp's client holds a
+    request's head back until its body's first bytes (to send both in one write); an empty
+    piece sends the head alone. The daemon must have the head at once: it routes the request
+    (a path it lacks: a 404 without the body) and times the body (a 408 after
+    client_write_timeout, a 413 on the length announced) as it does a client's own. Held
+    back, a client that announced a body and sent none held a forwarded slot and a daemon
+    connection until the daemon's idle timeout (75 s), then got a 503 saying corral was
+    restarting."""
+    yield b""
+    async for chunk in content.iter_any():
+        yield chunk
 
 
 class ToDaemon:
@@ -95,8 +111,13 @@ class ToDaemon:
             # either (an empty one, which HTTP/1.1 asks for), not aiohttp's own `corral`, a
             # name corral does not answer to (a 403 host_not_allowed).
             headers["Host"] = ""
-        data = body if body is not None else (
-            request.content.iter_any() if request.body_exists else None)
+        data: object = body
+        if body is None and request.body_exists:
+            data = _as_it_comes(request.content)
+            if request.content_length is not None:
+                # The length as announced (an iterator alone goes chunked): the daemon
+                # refuses one past its limit at once, as it does a client's own.
+                headers[hdrs.CONTENT_LENGTH] = str(request.content_length)
         target = request.raw_path
         if not target.startswith("/"):
             # The absolute form (GET http://host/path: RFC 9112 3.2.2), which the daemon
