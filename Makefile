@@ -94,7 +94,8 @@ test-workers: demo-model embed-model vllm hf agents system-deps
 LOWEST_VENV  := build/lowest-venv
 LOWEST_TESTS := tests/test_lowest_versions.py tests/test_client_io.py \
                 tests/test_relay_fallback.py tests/test_serving.py tests/test_hostile_http.py \
-                tests/test_relay_workers.py tests/test_relay_workers_faults.py
+                tests/test_relay_workers.py tests/test_relay_workers_faults.py \
+                tests/test_relay_workers_seams.py
 .PHONY: test-lowest
 test-lowest: $(LOWEST_VENV)/.installed demo-model
 	$(LOWEST_VENV)/bin/python .ci/floors.py --check
