@@ -150,3 +150,50 @@ def test_an_edit_made_while_the_watch_moves_to_new_files_is_not_missed(tmp_path:
 
     asyncio.run(scenario())
     assert applied[:2] == [["m"], ["m-edited"]], applied
+
+
+def test_an_edit_the_file_watch_never_reports_is_applied_by_its_stamp(tmp_path: Path) -> None:
+    """inotify reports a change only through the folder it was made in: the config edited
+    through a hard link elsewhere (as some deploy tools write) came as no event, and corral
+    kept the old config for good (one lost event under load was seen too: a test's edit right
+    after a reload never reloaded). Each quiet second the watched files' inode, size and
+    mtime are compared with what the last reload saw, and a difference reloads."""
+    import asyncio
+    from types import SimpleNamespace
+    from typing import cast
+
+    from corral.supervisor.config import load_config
+    from corral.supervisor.config.watch import watch_config
+
+    config = tmp_path / "etc" / "corral.yaml"
+    config.parent.mkdir()
+    config.write_text(_config("m"))
+    elsewhere = tmp_path / "deploy" / "corral.yaml"
+    elsewhere.parent.mkdir()
+    os.link(config, elsewhere)
+    applied: list[list[str]] = []
+
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        daemon = SimpleNamespace(loaded=load_config(config), last_reload=None)
+
+        def reload(trigger: str) -> asyncio.Future[None]:
+            daemon.loaded = load_config(config)
+            applied.append(list(daemon.loaded.models))
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        daemon.reload = reload
+        watching = asyncio.create_task(watch_config(cast(Any, daemon), stopping))
+        await asyncio.sleep(0.5)  # the watch is in place
+        with elsewhere.open("w") as out:  # the same file, written through the other link
+            out.write(_config("m-deployed"))
+        deadline = asyncio.get_running_loop().time() + 10
+        while not applied and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        stopping.set()
+        await asyncio.wait_for(watching, 10)
+
+    asyncio.run(scenario())
+    assert applied[:1] == [["m-deployed"]], applied

@@ -9,7 +9,10 @@ half written fails validation and keeps the running config; the write's next eve
 again. After each reload the set of files is looked at again, since an
 edit may add or drop an include (or a link on the way was re-pointed); when it changed, the
 watch moves to the new set, and once it is in place the config is read again, so an edit made
-while it moved is not missed.
+while it moved is not missed. And each quiet second the files' inode, size and mtime are
+compared with what they were before the last reload: an edit no event reported (a write
+through a hard link in another folder, which inotify does not report; an event lost under
+load) reloads within a second.
 
 `watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its
 subfolders; the embedded default too, which has no config file): a model file added, removed
@@ -98,6 +101,25 @@ def _read_differs(daemon: Daemon) -> bool:
         return True
 
 
+# What a watched file is now: its inode, size and mtime (None: not there).
+Stamp = tuple[int, int, int] | None
+
+
+def _stamps(files: frozenset[str]) -> dict[str, Stamp]:
+    """Each file's stamp: compared once a quiet second with what the last reload saw, for the
+    edits no event reports (inotify reports a change only through the folder it was made in:
+    a write through a hard link elsewhere is silent; and an event lost under load)."""
+    out: dict[str, Stamp] = {}
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out[path] = None
+            continue
+        out[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
 def _only(files: frozenset[str]) -> Callable[[Change, str], bool]:
     def accept(_change: Change, path: str) -> bool:
         return path in files
@@ -120,6 +142,7 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
             if not folders:
                 raise FileNotFoundError(f"none of the folders of {sorted(files)} exists")
             log.debug("config.watching", files=sorted(files))
+            seen = _stamps(files)
             async for changes in awatch(
                     *folders, watch_filter=_only(files),
                     step=step_ms, debounce=MAX_BURST_MS, recursive=False, stop_event=stopping,
@@ -128,6 +151,10 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
                     if moved and _read_differs(daemon):
                         log.info("config.changed", files=sorted(files), deleted=False,
                                  note="while the watch moved to these files")
+                        changes = {(Change.modified, "")}
+                    elif _stamps(files) != seen:
+                        log.info("config.changed", files=sorted(files), deleted=False,
+                                 note="no event came for it: seen by the files' stamps")
                         changes = {(Change.modified, "")}
                     moved = False
                     if not changes:
@@ -138,6 +165,8 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
                 deleted = all(kind is Change.deleted for kind, _ in changes)
                 if paths:
                     log.info("config.changed", files=paths, deleted=deleted)
+                # Before the reload reads them: an edit made while it runs differs after.
+                seen = _stamps(files)
                 await asyncio.shield(daemon.reload("file"))
                 if watched_files(daemon) != files:
                     moved = True
