@@ -152,13 +152,18 @@ def test_an_edit_made_while_the_watch_moves_to_new_files_is_not_missed(tmp_path:
     assert applied[:2] == [["m"], ["m-edited"]], applied
 
 
-def test_an_edit_the_file_watch_never_reports_is_applied_by_its_stamp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("beside", ["nothing", "a log written all the time"])
+def test_an_edit_the_file_watch_never_reports_is_applied_by_its_stamp(tmp_path: Path,
+                                                                      beside: str) -> None:
     """inotify reports a change only through the folder it was made in: the config edited
     through a hard link elsewhere (as some deploy tools write) came as no event, and corral
     kept the old config for good (one lost event under load was seen too: a test's edit right
-    after a reload never reloaded). Each quiet second the watched files' inode, size and
-    mtime are compared with what the last reload saw, and a difference reloads."""
+    after a reload never reloaded). Each quiet second, and at each change of another file in
+    the config's folder (a log written there keeps the quiet second from ever coming), the
+    watched files' inode, size and mtime are compared with what the last reload saw, and a
+    difference reloads."""
     import asyncio
+    import threading
     from types import SimpleNamespace
     from typing import cast
 
@@ -195,5 +200,19 @@ def test_an_edit_the_file_watch_never_reports_is_applied_by_its_stamp(tmp_path: 
         stopping.set()
         await asyncio.wait_for(watching, 10)
 
-    asyncio.run(scenario())
+    quiet = threading.Event()
+
+    def log_beside() -> None:
+        with (config.parent / "corral.log").open("a") as log:
+            while not quiet.wait(0.01):
+                log.write("a line\n")
+                log.flush()
+
+    noise = threading.Thread(target=log_beside, daemon=True)
+    if beside != "nothing":
+        noise.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        quiet.set()
     assert applied[:1] == [["m-deployed"]], applied

@@ -9,10 +9,11 @@ half written fails validation and keeps the running config; the write's next eve
 again. After each reload the set of files is looked at again, since an
 edit may add or drop an include (or a link on the way was re-pointed); when it changed, the
 watch moves to the new set, and once it is in place the config is read again, so an edit made
-while it moved is not missed. And each quiet second the files' inode, size and mtime are
-compared with what they were before the last reload: an edit no event reported (a write
-through a hard link in another folder, which inotify does not report; an event lost under
-load) reloads within a second.
+while it moved is not missed. And each quiet second, and at each change of another file in
+the folders (a log written beside the config keeps the quiet second from coming), the files'
+inode, size and mtime are compared with what they were before the last reload: an edit no
+event reported (a write through a hard link in another folder, which inotify does not report;
+an event lost under load) reloads within a second.
 
 `watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its
 subfolders; the embedded default too, which has no config file): a model file added, removed
@@ -143,11 +144,16 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
                 raise FileNotFoundError(f"none of the folders of {sorted(files)} exists")
             log.debug("config.watching", files=sorted(files))
             seen = _stamps(files)
-            async for changes in awatch(
-                    *folders, watch_filter=_only(files),
+            ours = _only(files)
+            # Every change in the folders, ours picked here: other files there (a log written
+            # beside the config) keep the quiet second from coming, and each of their batches
+            # is a moment to compare the stamps too.
+            async for raw in awatch(
+                    *folders, watch_filter=None,
                     step=step_ms, debounce=MAX_BURST_MS, recursive=False, stop_event=stopping,
                     rust_timeout=1000, yield_on_timeout=True):
-                if not changes:  # a quiet second: the watch is in place
+                changes = {(kind, path) for kind, path in raw if ours(kind, path)}
+                if not changes:  # a quiet second, or other files: the watch is in place
                     if moved and _read_differs(daemon):
                         log.info("config.changed", files=sorted(files), deleted=False,
                                  note="while the watch moved to these files")
