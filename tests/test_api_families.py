@@ -85,6 +85,9 @@ def anthropic_input(usage: Any) -> int:
 def counted(corral: Corral, endpoint: str, stream: bool, before: tuple[float, float],
             tokens_in: int, tokens_out: int) -> None:
     """corral counted exactly what the SDK reported: in /admin/requests and in /metrics."""
+    # Booked as the answer ends; through a relay worker the record is a message of its own,
+    # which may reach the daemon a moment after the client has its last byte.
+    wait_until(lambda: token_counters(corral, "smol") != before, timeout=10)
     record = last_request(corral, endpoint, stream)
     assert (record["model"], record["status"]) == ("smol", 200), record
     assert (record["tokens_in"], record["tokens_out"]) == (tokens_in, tokens_out), record
