@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anthropic
 import httpx
@@ -409,6 +410,19 @@ def reading_little(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RCVBUF)
     sock.settimeout(10)
     sock.connect((host, port))
+    return sock
+
+
+def post_reading_little(url: str, path: str, body: bytes, request_id: str) -> socket.socket:
+    """POST `body` (JSON) to `path` of the corral at `url` from a reading_little socket, with
+    `request_id`: the socket, for the caller to close."""
+    address = urlsplit(url)
+    assert address.hostname and address.port
+    sock = reading_little(address.hostname, address.port)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), address.netloc.encode(), request_id.encode(), len(body),
+                    body))
     return sock
 
 

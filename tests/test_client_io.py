@@ -7,7 +7,6 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from aiohttp import web
 
 from corral.proxy import client_io
 
-from conftest import TINY_RCVBUF, flooding_stream, reading_little, wait_until
+from conftest import TINY_RCVBUF, flooding_stream, post_reading_little, wait_until
 
 # -- the defect, on a real corral with SmolLM2 -----------------------------------------------------
 
@@ -28,14 +27,8 @@ def test_a_client_that_never_reads_frees_the_model(start_corral, smol_model):
     })
     assert corral.chat("smol", max_tokens=1).status_code == 200  # loaded: time the stall only
     body = flooding_stream("smol")
-    address = urlsplit(corral.url)
-    assert address.hostname and address.port
-    sock = reading_little(address.hostname, address.port)
+    sock = post_reading_little(corral.url, "/v1/chat/completions", body, "stuck-reader")
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
-                     b"Content-Type: application/json\r\nX-Request-Id: stuck-reader\r\n"
-                     b"Content-Length: %d\r\n\r\n%s"
-                     % (address.netloc.encode(), len(body), body))
         wait_until(lambda: corral.model("smol")["in_flight"] == 1, timeout=30)
         # The buffers between the child and this socket fill (the kernel's send buffer grows
         # to megabytes: ~15 s of generation on a busy 2-core machine), then 2 s without

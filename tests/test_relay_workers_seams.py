@@ -22,7 +22,7 @@ from conftest import (
     Corral,
     CorralFactory,
     flooding_stream,
-    reading_little,
+    post_reading_little,
     sse_lines,
     tiny_config,
     wait_until,
@@ -62,14 +62,8 @@ def test_a_stalled_client_of_a_forwarded_stream_is_counted_once_under_its_model(
     })
     wait_until(lambda: len(corral.log_events("relay_worker.ready")) == 2, timeout=30)
     body = flooding_stream("smol")
-    address = urlsplit(corral.url)
-    assert address.hostname and address.port
-    sock = reading_little(address.hostname, address.port)
+    sock = post_reading_little(corral.url, "/v1/chat/completions", body, "stuck-cold")
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
-                     b"Content-Type: application/json\r\nX-Request-Id: stuck-cold\r\n"
-                     b"Content-Length: %d\r\n\r\n%s"
-                     % (address.netloc.encode(), len(body), body))
         wait_until(lambda: corral.model("smol")["in_flight"] == 1, timeout=60)
         wait_until(lambda: corral.model("smol")["in_flight"] == 0, timeout=120, interval=0.2)
         wait_until(lambda: [e for e in corral.log_events("proxy.request")
@@ -404,14 +398,8 @@ def test_a_client_that_stops_reading_a_groups_whole_answer_is_cut_off_under_the_
     def scenario(corral: Corral) -> dict[str, Any]:
         body = json.dumps({"group": "pair", "messages": [
             {"role": "user", "content": "hi"}]}).encode()
-        address = urlsplit(corral.url)
-        assert address.hostname and address.port
-        sock = reading_little(address.hostname, address.port)
+        sock = post_reading_little(corral.url, "/v1/batch/execute", body, "stuck-batch")
         try:
-            sock.sendall(b"POST /v1/batch/execute HTTP/1.1\r\nHost: %s\r\n"
-                         b"Content-Type: application/json\r\nX-Request-Id: stuck-batch\r\n"
-                         b"Content-Length: %d\r\n\r\n%s"
-                         % (address.netloc.encode(), len(body), body))
             wait_until(lambda: corral.log_events("proxy.client_stalled"), timeout=60,
                        interval=0.2)
             wait_until(lambda: _booked(corral, "stuck-batch"), timeout=60, interval=0.2)
