@@ -87,6 +87,30 @@ def held_back() -> frozenset[str]:
         return frozenset(_held)
 
 
+# (name, model file, projector file) of each discovered model, then (path, size, mtime_ns) of
+# every file of theirs: what a reload would see differently.
+Signature = tuple[tuple[tuple[str, str, str], ...], tuple[tuple[str, int, int], ...]]
+
+
+def signature(folder: Path, found: list[Discovered] | None = None) -> Signature:
+    """What discovery lists in `folder` now (or listed: `found`), and the size and mtime of
+    each listed file."""
+    from corral.supervisor.inventory import shards
+
+    if found is None:
+        found = discover(folder)
+    listed = tuple((m.name, str(m.path), str(m.mmproj or "")) for m in found)
+    stats: list[tuple[str, int, int]] = []
+    for model in found:
+        for path in [*shards(model.path), *([model.mmproj] if model.mmproj else [])]:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            stats.append((str(path), st.st_size, st.st_mtime_ns))
+    return listed, tuple(stats)
+
+
 def discover(models_dir: Path) -> list[Discovered]:
     """The models under `models_dir`, folder by folder (models_dir first, then its subfolders
     depth first, each in name order), each with its projector if any."""

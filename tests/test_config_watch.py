@@ -152,6 +152,47 @@ def test_an_edit_made_while_the_watch_moves_to_new_files_is_not_missed(tmp_path:
     assert applied[:2] == [["m"], ["m-edited"]], applied
 
 
+def test_an_edit_made_before_the_first_watch_is_in_place_is_applied(tmp_path: Path) -> None:
+    """The daemon reads its config and serves (its relay workers answer /health) before the
+    watch is set up in its thread: an edit in between came as no event, and the stamps the
+    watch took as it started already showed it, so corral kept the old config for good (CI's
+    test-workers run lost test_reload's first edit this way, twice). Now the config is read
+    again once the first watch is in place, as after a move to new files."""
+    import asyncio
+    from types import SimpleNamespace
+    from typing import cast
+
+    from corral.supervisor.config import load_config
+    from corral.supervisor.config.watch import watch_config
+
+    config = tmp_path / "corral.yaml"
+    config.write_text(_config("m"))
+    applied: list[list[str]] = []
+
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        daemon = SimpleNamespace(loaded=load_config(config), last_reload=None)
+
+        def reload(trigger: str) -> asyncio.Future[None]:
+            daemon.loaded = load_config(config)
+            applied.append(list(daemon.loaded.models))
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        daemon.reload = reload
+        config.write_text(_config("m-edited"))  # read, not yet watched
+        watching = asyncio.create_task(watch_config(cast(Any, daemon), stopping))
+        deadline = asyncio.get_running_loop().time() + 10
+        while not applied and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        stopping.set()
+        await asyncio.wait_for(watching, 10)
+
+    asyncio.run(scenario())
+    assert applied[:1] == [["m-edited"]], applied
+
+
 @pytest.mark.parametrize("beside", ["nothing", "a log written all the time"])
 def test_an_edit_the_file_watch_never_reports_is_applied_by_its_stamp(tmp_path: Path,
                                                                       beside: str) -> None:

@@ -265,6 +265,39 @@ def test_models_folder_is_read_relative_to_the_config_that_sets_it(tmp_path, mon
     assert models_folder(parse_config("")) is None
 
 
+def test_a_model_added_before_the_watch_is_in_place_is_listed(tmp_path):
+    """The daemon reads its config and serves before the models folder's watch is set up (in
+    a thread, after the listening line): a model dropped in between came as no event, and the
+    watch's first listing, taken as it started, already held it, so corral never listed it.
+    Now the watch compares the folder with what the config's discovery listed when it was
+    read, once it is in place."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    source = write_tiny_llama(tmp_path / "source.gguf", seed=1)
+    old = time.time() - 60
+    os.utime(source, (old, old))
+
+    async def scenario() -> None:
+        loaded = default_config(folder)
+        daemon = Daemon(loaded, tmp_path / "children.json",
+                        config_loader=lambda: default_config(folder))
+        assert not daemon.models
+        # Between the daemon's load and its watch: renamed into place (mtime old, settled).
+        shutil.copy2(source, folder / ".late.gguf.part")
+        os.rename(folder / ".late.gguf.part", folder / "late.gguf")
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_models_dir(daemon, stop, settle=1.0))
+        try:
+            await asyncio.wait_for(_until(lambda: "late" in daemon.models), 10)
+        finally:
+            stop.set()
+            await asyncio.wait_for(watcher, 5)
+        reloads = [a for a in daemon.reloader.recent if a.trigger == "models_dir"]
+        assert [a.changes["added"] for a in reloads if a.changes] == [["late"]], reloads
+
+    asyncio.run(scenario())
+
+
 def test_the_watcher_lists_a_growing_file_only_once_it_is_complete(tmp_path):
     """In process, a settle time of 1 s: a file written in two halves half a second apart is
     never listed half-written; a file renamed into place (its mtime old) is listed at once;

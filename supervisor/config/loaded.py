@@ -12,6 +12,7 @@ from corral.supervisor.config.issues import ConfigIssue, Lines, Loc, issue_at
 from corral.supervisor.config.schema import Config
 from corral.supervisor.config.secrets import SecretOptions
 from corral.supervisor.config.specs import GroupSpec, ModelSpec
+from corral.supervisor.discovery import Signature
 from corral.supervisor.policy import ModelView, Snapshot
 
 __all__ = ["LoadedConfig", "PluginChoice"]
@@ -50,6 +51,10 @@ class LoadedConfig:
     gpu_reader: PluginChoice = field(default_factory=lambda: PluginChoice("auto"))
     # The folder discovery read (models_dir, relative to the file that set it); None: none.
     models_folder: Path | None = None
+    # What discovery listed there when this config was read, with each file's size and mtime:
+    # the models folder's watch compares the folder with it once in place, for what changed
+    # before it was (the daemon serves before its watch is set up).
+    models_signature: Signature | None = None
     # The top-level `binary` (a path made absolute like every path of the config's; a bare
     # name stays a name, looked up on PATH), state_dir and prompt_cache.dir, resolved.
     binary: str | None = None

@@ -24,7 +24,7 @@ from corral.supervisor.config.names import name_problem
 from corral.supervisor.config.schema import Config, ModelConfig, ReplicasConfig, ladder_step
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.config.strategy import resolve_strategy
-from corral.supervisor.discovery import discover
+from corral.supervisor.discovery import Signature, discover, signature
 
 __all__ = ["DEFAULT_MODELS_DIR", "VLLM_START_TIMEOUT", "resolve", "resolve_all"]
 
@@ -196,12 +196,15 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     # text, with no file, has no folder to be beside.
     models_dir = config.models_dir or (DEFAULT_MODELS_DIR if source is not None else None)
     models_folder = _absolute(models_dir, base_of(("models_dir",))) if models_dir else None
+    listed: Signature | None = None
     if models_folder is not None and models_folder.is_dir():
+        found_now = discover(models_folder)
+        listed = signature(models_folder, found_now)
         # Every model file not configured already is a model with all the defaults.
         # A file configured through a link (or found through one) is the same file.
         # realpath, not resolve(): a link loop is returned as it is, not raised.
         configured = {os.path.realpath(s.model_path) for s in models.values()}
-        for found in discover(models_folder):
+        for found in found_now:
             if found.name in models or os.path.realpath(found.path) in configured:
                 continue
             models[found.name] = build(found.name, ModelConfig(
@@ -240,7 +243,7 @@ def resolve_all(config: Config, base_dir: Path, source: Path | None, lines: Line
     return LoadedConfig(
         config=config, models=models, source=source, aliases=aliases, groups=groups,
         lines=lines, files=files, digest=digest, pinned=pinned, strategy=strategy,
-        gpu_reader=reader, models_folder=models_folder, binary=binary,
+        gpu_reader=reader, models_folder=models_folder, models_signature=listed, binary=binary,
         state_dir=_absolute(config.state_dir, base_of(("state_dir",)))
         if config.state_dir else None,
         prompt_cache_dir=_absolute(config.prompt_cache.dir, base_of(("prompt_cache", "dir")))

@@ -13,7 +13,9 @@ while it moved is not missed. And each quiet second, and at each change of anoth
 the folders (a log written beside the config keeps the quiet second from coming), the files'
 inode, size and mtime are compared with what they were before the last reload: an edit no
 event reported (a write through a hard link in another folder, which inotify does not report;
-an event lost under load) reloads within a second.
+an event lost under load) reloads within a second. The config is read again once the first
+watch is in place too: the daemon serves before its watch is set up, and an edit made in
+between came as no event.
 
 `watch_models_dir` does the same for the models folder (models_dir or --models-dir, with its
 subfolders; the embedded default too, which has no config file): a model file added, removed
@@ -37,11 +39,12 @@ from pathlib import Path
 import structlog
 from watchfiles import Change, awatch
 
-from corral.supervisor import discovery, inventory
+from corral.supervisor import discovery
 from corral.supervisor.config.include import read_config_file
 from corral.supervisor.config.issues import ConfigError
 from corral.supervisor.config.loaded import LoadedConfig
 from corral.supervisor.daemon import Daemon
+from corral.supervisor.discovery import Signature, signature
 
 log = structlog.get_logger("corral.config")
 
@@ -130,10 +133,13 @@ def _only(files: frozenset[str]) -> Callable[[Change, str], bool]:
 async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = STEP_MS) -> None:
     """Run until `stopping` is set (the CLI owns this task; setting the event ends the watcher
     thread within a step, where a bare cancel would wait for its timeout)."""
-    # Set when the watch moves to a new set of files: what changes before the new watch is in
-    # place comes as no event, so once it is (its first quiet second) the config is read and
-    # compared with what the last reload applied.
-    moved = False
+    # Set while the watch is not yet in place on the files the active config was read from:
+    # what changes before it is comes as no event (and the stamps taken when it starts already
+    # show the edit), so once it is (its first quiet second) the config is read and compared
+    # with what was applied. So at the start too: the daemon read its config and serves (its
+    # relay workers may answer first) before this task's watch is set up in its thread, and an
+    # edit in between (a deploy's, a test's, right after /health answers) was lost for good.
+    moved = True
     while not stopping.is_set():
         files = watched_files(daemon)
         if not files:
@@ -156,7 +162,7 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
                 if not changes:  # a quiet second, or other files: the watch is in place
                     if moved and _read_differs(daemon):
                         log.info("config.changed", files=sorted(files), deleted=False,
-                                 note="while the watch moved to these files")
+                                 note="changed before the watch was in place on these files")
                         changes = {(Change.modified, "")}
                     elif _stamps(files) != seen:
                         log.info("config.changed", files=sorted(files), deleted=False,
@@ -189,28 +195,10 @@ async def watch_config(daemon: Daemon, stopping: asyncio.Event, step_ms: int = S
 SETTLE_S = 2.0  # a new or changed model file is listed once unchanged this long
 TICK_MS = 250  # how often held files are looked at again while no event comes
 
-# (name, model file, projector file) of each discovered model, then (path, size, mtime_ns) of
-# every file of theirs: what a reload would see differently.
-Signature = tuple[tuple[tuple[str, str, str], ...], tuple[tuple[str, int, int], ...]]
-
-
 def models_folder(loaded: LoadedConfig) -> Path | None:
     """The folder discovery reads, with symlinks resolved: watchfiles reports paths under the
     folder it was given, and discovery holds back files by their paths under it."""
     return loaded.models_folder.resolve() if loaded.models_folder else None
-
-
-def signature(folder: Path) -> Signature:
-    """What discovery lists in `folder` now, and the size and mtime of each listed file."""
-    found = discovery.discover(folder)
-    listed = tuple((m.name, str(m.path), str(m.mmproj or "")) for m in found)
-    stats: list[tuple[str, int, int]] = []
-    for model in found:
-        for path in [*inventory.shards(model.path), *([model.mmproj] if model.mmproj else [])]:
-            with contextlib.suppress(OSError):
-                st = path.stat()
-                stats.append((str(path), st.st_size, st.st_mtime_ns))
-    return listed, tuple(stats)
 
 
 def _model_files(folder: Path) -> Callable[[Change, str], bool]:
@@ -292,8 +280,10 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
     (trigger "models_dir") when what discovery lists changed: a model file added, removed,
     renamed, rewritten, or a folder of them moved."""
     held = _Held(settle)
-    folder = models_folder(daemon.loaded)
-    last = await asyncio.to_thread(signature, folder) if folder else None
+    # What the active config's discovery listed when it was read: the watch compares the folder
+    # with it once in place, for a file added or removed before it was (the daemon serves
+    # before this task's watch is set up).
+    last = daemon.loaded.models_signature
     try:
         while not stopping.is_set():
             watched = daemon.loaded.models_folder
@@ -307,6 +297,7 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
                 continue
             try:
                 log.debug("models_dir.watching", folder=str(folder))
+                in_place = False
                 async for changes in awatch(
                         folder, watch_filter=_model_files(folder), step=step_ms,
                         debounce=MAX_BURST_MS, stop_event=stopping, rust_timeout=TICK_MS,
@@ -314,9 +305,11 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
                     for _, path in changes:
                         held.saw(path, last)
                     released = held.settled()
-                    if changes or released:
+                    if changes or released or not in_place:
                         # Held files are left out of this listing, and reload again once
-                        # they settle.
+                        # they settle. The first batch (a tick at the latest) means the watch
+                        # is in place: what changed before it came as no event.
+                        in_place = True
                         last = await _reload_if_changed(daemon, folder, last, held)
                     if daemon.loaded.models_folder != watched:
                         break  # models_dir changed in the config: watch the new one
