@@ -77,7 +77,8 @@ WORKERS_TESTS := tests/test_serving.py tests/test_client_io.py tests/test_relay_
                  tests/test_openai_paths.py tests/test_edge.py tests/test_edge_leaks.py \
                  tests/test_request_filters.py tests/test_groups.py tests/test_faults.py \
                  tests/test_reliability.py tests/test_prompt_cache.py \
-                 tests/test_prompt_cache_keys.py tests/test_reload.py \
+                 tests/test_prompt_cache_keys.py tests/test_prompt_cache_gate.py \
+                 tests/test_reload.py \
                  tests/test_load_overrides.py tests/test_fleet_mount.py \
                  tests/test_request_metrics.py tests/test_agents.py tests/test_status_page.py \
                  tests/test_cli.py tests/test_operations.py tests/test_history.py \

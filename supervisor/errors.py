@@ -37,6 +37,13 @@ class NotServed(SupervisorError):
     """The strategy does not load this model on demand (e.g. a fixed appliance)."""
 
 
+class SlotNotCleared(SupervisorError):
+    """A request llama-server places itself (/v1/messages) could not be sent safely: a slot
+    it may land on holds another caller's prompt, and the child did not erase it in time."""
+
+    retry_after = 1.0
+
+
 class ShuttingDown(SupervisorError):
     retry_after = 5.0
 

@@ -413,16 +413,18 @@ def reading_little(host: str, port: int) -> socket.socket:
     return sock
 
 
-def post_reading_little(url: str, path: str, body: bytes, request_id: str) -> socket.socket:
+def post_reading_little(url: str, path: str, body: bytes, request_id: str,
+                        api_key: str | None = None) -> socket.socket:
     """POST `body` (JSON) to `path` of the corral at `url` from a reading_little socket, with
-    `request_id`: the socket, for the caller to close."""
+    `request_id` (and `api_key`): the socket, for the caller to close."""
     address = urlsplit(url)
     assert address.hostname and address.port
     sock = reading_little(address.hostname, address.port)
+    auth = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
     sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                 b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
-                 % (path.encode(), address.netloc.encode(), request_id.encode(), len(body),
-                    body))
+                 b"%sX-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), address.netloc.encode(), auth, request_id.encode(),
+                    len(body), body))
     return sock
 
 

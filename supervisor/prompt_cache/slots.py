@@ -29,6 +29,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.errors import SlotNotCleared
 from corral.supervisor.json_bytes import compact
 from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import (
@@ -39,6 +40,7 @@ from corral.supervisor.prompt_cache.choice import (
     Record,
     conversation,
 )
+from corral.supervisor.prompt_cache.gate import NamespaceGate
 from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.saver import Saver
 from corral.supervisor.prompt_cache.store import Entry
@@ -72,6 +74,7 @@ class Slots:
         self.unsure = self._choice.unsure  # slots an unpinned request may have taken
         self._unpinned: dict[Lease, str] = {}  # such requests in flight, and their namespaces
         self._leased: dict[int, Lease] = {}
+        self._gate = NamespaceGate()  # whose generations may be at the child together
         self._namespaces: set[str] = set()  # whose requests this child has served
         self._log = log.bind(model=model, instance=instance)
         self.saver = Saver(self, cache, busy, self._log)
@@ -117,6 +120,10 @@ class Slots:
         namespace = self._cache.namespaces.of(caller)
         if namespace not in self._namespaces:
             self._namespaces.add(namespace)
+        if path in _GENERATIONS:
+            turn = self._gate.enter(lease, namespace, path in _IGNORES_CACHE_PROMPT)
+            if turn is not None:
+                await self._wait_turn(lease, turn, path)
         if path not in (CHAT, COMPLETIONS):
             # No conversation to keep, no id_slot.
             return self._astray(lease, path, await self._shared(path, body, namespace),
@@ -187,6 +194,20 @@ class Slots:
             raise
         return True
 
+    async def _wait_turn(self, lease: Lease, turn: asyncio.Future[None], path: str) -> None:
+        """Until the gate lets this request in (gate.py: a /v1/messages request and another
+        caller's requests are never at the child together)."""
+        began = time.monotonic()
+        self._log.info("prompt_cache.waiting_for_other_callers", path=path,
+                       waiting=self._gate.waiting())
+        try:
+            await turn
+        except BaseException:
+            self._gate.leave(lease)  # its place in the line, or what it was let in to
+            raise
+        self._log.info("prompt_cache.waited_for_other_callers", path=path,
+                       ms=round((time.monotonic() - began) * 1000, 1))
+
     async def _shared(self, path: str, body: Any, namespace: str,
                       parsed: dict[str, Any] | None = None) -> Any:
         """An unpinned request: llama-server puts it on the idle slot whose prompt is most
@@ -197,9 +218,17 @@ class Slots:
         if len(self._namespaces) < 2 or path not in _GENERATIONS:
             return body
         if path in _IGNORES_CACHE_PROMPT:
+            # No other caller's request is at the child now (the gate): every slot another
+            # may have used is idle, and erased here; a slot leased now is the caller's own.
             for slot in range(len(self.records)):
-                if slot not in self._leased and self._choice.foreign(slot, namespace) \
-                        and await self._erase(slot) and slot not in self._leased:
+                if slot in self._leased or not self._choice.foreign(slot, namespace):
+                    continue
+                if not await self._erase(slot):
+                    # It would land on that slot, maybe, and reuse what it holds.
+                    raise SlotNotCleared(
+                        f"{self.model}: another caller's cached prompt could not be cleared "
+                        "from the slot this request may land on; try again")
+                if slot not in self._leased:
                     self._choice.forget(slot)  # nothing left of it to save or match
         return _without_reuse(body, parsed)
 
@@ -220,6 +249,7 @@ class Slots:
         return True
 
     def unpin(self, lease: Lease) -> None:
+        self._gate.leave(lease)
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
             self._choice.release(lease.slot)
