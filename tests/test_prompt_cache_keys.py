@@ -17,9 +17,11 @@ import httpx
 import pytest
 from test_prompt_cache import _next_turn, _restored
 
+from corral.proxy.errors import shape_of
 from corral.supervisor.config.load import parse_config
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
+from corral.supervisor.errors import SlotNotCleared
 from corral.supervisor.events import EventBus
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.choice import CHAT, Choice, Record
@@ -351,6 +353,15 @@ async def _changing_hands(tmp_path: Path) -> None:
     await _send(one, "alice", alice)
     sent = await _send(one, "bob", alice)
     assert one.posts == ["/slots/0?action=erase"] and sent["cache_prompt"] is False
+    # Where cache_prompt is ignored (/v1/messages), nothing goes onto the other key's KV: a
+    # 503 the client may retry (Retry-After), its lease given back.
+    lease = _Lease()
+    with pytest.raises(SlotNotCleared) as refused:
+        await one.pin(lease, BASE + "/v1/messages", _body(alice),  # type: ignore[arg-type]
+                      caller="alice")
+    assert refused.value.retry_after and one.posts[1:] == ["/slots/0?action=erase"]
+    one.unpin(lease)  # type: ignore[arg-type]
+    assert shape_of(refused.value).status == 503
 
 
 def test_an_admin_key_beside_one_user_key_turns_the_ram_cache_off(tiny_models):
