@@ -21,7 +21,7 @@ from corral.proxy.errors import shape_of
 from corral.supervisor.config.load import parse_config
 from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
-from corral.supervisor.errors import SlotNotCleared
+from corral.supervisor.errors import QueueTimeout, SlotNotCleared
 from corral.supervisor.events import EventBus
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.choice import CHAT, Choice, Record
@@ -471,6 +471,30 @@ async def _given_back(tmp_path: Path) -> None:
 
 def _body(messages: list[dict[str, str]]) -> bytes:
     return json.dumps({"model": "m", "messages": messages}).encode()
+
+
+def test_a_messages_request_waits_for_other_keys_within_the_queue_timeout(tmp_path):
+    asyncio.run(_messages_wait(tmp_path))
+
+
+async def _messages_wait(tmp_path: Path) -> None:
+    """Bob's /v1/messages request waits while Alice's request is at the child (gate.py), and
+    is a 503 queue_timeout after the model's queue_timeout (1 s here) if hers lasts longer;
+    once she is done, his next one goes, her slot erased first."""
+    child = _Child(PromptCache(tmp_path, PromptCacheConfig, EventBus()), parallel=2)
+    alices = _Lease()
+    await child.pin(alices, BASE + CHAT, _body(_conversation("Alice's.")),  # type: ignore[arg-type]
+                    caller="alice")
+    bobs = _Lease()
+    with pytest.raises(QueueTimeout) as waited:
+        await child.pin(bobs, BASE + "/v1/messages",  # type: ignore[arg-type]
+                        _body(_conversation("Bob's.")), caller="bob")
+    assert shape_of(waited.value).status == 503 and "queue_timeout" in str(waited.value)
+    child.unpin(bobs)  # type: ignore[arg-type]
+    assert child.posts == []  # nothing erased under her request
+    child.unpin(alices)  # type: ignore[arg-type]
+    sent = await _send(child, "bob", _conversation("Bob's."), path="/v1/messages")
+    assert "id_slot" not in sent and child.posts == ["/slots/0?action=erase"]
 
 
 def test_messages_erase_only_other_keys_slots(tmp_path):

@@ -29,7 +29,7 @@ import aiohttp
 import structlog
 
 from corral.supervisor.config.specs import ModelSpec
-from corral.supervisor.errors import SlotNotCleared
+from corral.supervisor.errors import QueueTimeout, SlotNotCleared
 from corral.supervisor.json_bytes import compact
 from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import (
@@ -196,14 +196,21 @@ class Slots:
 
     async def _wait_turn(self, lease: Lease, turn: asyncio.Future[None], path: str) -> None:
         """Until the gate lets this request in (gate.py: a /v1/messages request and another
-        caller's requests are never at the child together)."""
+        caller's requests are never at the child together), within the model's queue_timeout
+        (the wait is one for the child, as a wait for a slot is)."""
         began = time.monotonic()
         self._log.info("prompt_cache.waiting_for_other_callers", path=path,
                        waiting=self._gate.waiting())
         try:
-            await turn
-        except BaseException:
+            async with asyncio.timeout(self.spec.queue_timeout):
+                await turn
+        except BaseException as exc:
             self._gate.leave(lease)  # its place in the line, or what it was let in to
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(
+                    f"{self.instance}: other API keys' requests held the model within "
+                    f"{self.spec.queue_timeout:g}s (queue_timeout); a /v1/messages request "
+                    "waits for them (docs/memory.md, per key)") from None
             raise
         self._log.info("prompt_cache.waited_for_other_callers", path=path,
                        ms=round((time.monotonic() - began) * 1000, 1))
