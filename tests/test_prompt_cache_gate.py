@@ -1,7 +1,9 @@
-"""A request llama-server places itself (/v1/messages: no id_slot, no cache_prompt) never lands
-on another API key's KV: it is at the child only while every request there is its own key's
-(supervisor/prompt_cache/gate.py). End to end with a real llama-server child (a tiny model,
-two slots, two keys), and the gate's rules in process."""
+"""Two API keys on one llama-server child (a tiny model, two slots), end to end: a request
+llama-server places itself (/v1/messages: no id_slot, no cache_prompt) never lands on another
+key's KV, since it is at the child only while every request there is its own key's
+(supervisor/prompt_cache/gate.py; its rules in process below); and a Responses conversation
+(a coding agent's) is pinned to a slot of its key's, so its next turn reuses its own KV and
+nothing of another key's."""
 
 from __future__ import annotations
 
@@ -110,6 +112,44 @@ def test_a_messages_request_waits_for_another_keys_request_and_reuses_none_of_it
             "messages": [{"role": "user", "content": "And again."}]})
         assert again.status_code == 200, again.text
         assert len(corral.log_events("prompt_cache.waiting_for_other_callers")) == 1
+
+
+def _cached(resp: httpx.Response) -> int:
+    assert resp.status_code == 200, resp.text
+    cached: int = resp.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    return cached
+
+
+def test_a_responses_conversation_reuses_its_own_keys_kv_and_nothing_of_anothers(corral):
+    """A Responses request went to the child unpinned, and on a child two keys use with
+    `cache_prompt: false` (llama-server would have put it on the slot most like it, maybe
+    another key's): each turn of a coding agent's session prefilled its whole input again
+    (cached_tokens 0 on the second turn, measured). corral now reads its conversation
+    (`instructions`, then the `input` items) and pins it to a slot as it does a chat."""
+    alice = httpx.Client(base_url=corral.url, timeout=120,
+                         headers={"Authorization": f"Bearer {ALICE}"})
+    bob = httpx.Client(base_url=corral.url, timeout=120,
+                       headers={"Authorization": f"Bearer {BOB}"})
+    # A fresh child: whatever is reused below is this test's.
+    corral.http.post("/admin/models/m/unload").raise_for_status()
+    wait_until(lambda: corral.model("m")["state"] == "stopped", timeout=30)
+    ask = {"role": "user", "content": "Tell me a story."}
+    with alice, bob:
+        first = {"model": "m", "instructions": SYSTEM, "input": [ask], "max_output_tokens": 4}
+        turn = alice.post("/v1/responses", json=first)
+        assert _cached(turn) == 0
+        said = turn.json()["output"]
+        # Bob sends the very same instructions: nothing of Alice's is reused for him.
+        his = bob.post("/v1/responses", json={**first, "input": [ask]})
+        assert _cached(his) == 0
+        # Alice's next turn: her whole first turn is reused from her slot.
+        again = alice.post("/v1/responses", json={
+            **first, "input": [ask, *said, {"role": "user", "content": "Go on."}]})
+        assert _cached(again) >= turn.json()["usage"]["input_tokens"] - 1, again.json()["usage"]
+        # And Bob's, from his.
+        more = bob.post("/v1/responses", json={
+            **first, "input": [ask, *his.json()["output"], {"role": "user", "content": "And?"}]})
+        assert _cached(more) >= his.json()["usage"]["input_tokens"] - 1, more.json()["usage"]
 
 
 # -- the gate's rules, in process --------------------------------------------------------------

@@ -24,7 +24,7 @@ from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.errors import QueueTimeout, SlotNotCleared
 from corral.supervisor.events import EventBus
 from corral.supervisor.prompt_cache import PromptCache
-from corral.supervisor.prompt_cache.choice import CHAT, Choice, Record
+from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record
 from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.namespace import SALT, Namespaces
 from corral.supervisor.prompt_cache.slots import Slots
@@ -168,13 +168,12 @@ def test_an_unpinned_request_never_reuses_another_keys_slot(corral, clients):
     assert resp.status_code == 200, resp.text
     usage = resp.json()["usage"]
     assert usage.get("cache_read_input_tokens", 0) == 0 and usage["input_tokens"] > 300, usage
-    # Alice's unpinned request leaves her KV on a slot of llama-server's choosing (sent with
-    # cache_prompt false, it reuses nothing itself): every idle slot may hold it now, and
-    # Bob's next pinned request gets one of them only erased (/v1/responses itself always
-    # goes with cache_prompt false on a child two keys use: it would tell nothing here).
-    again = clients[ALICE].post("/v1/responses", json={
-        "model": "smol", "instructions": alice[0]["content"], "input": alice[1]["content"],
-        "max_output_tokens": 4})
+    # Alice's unpinned request (a prompt array: corral reads no conversation from it) leaves
+    # her KV on a slot of llama-server's choosing (sent with cache_prompt false, it reuses
+    # nothing itself): every idle slot may hold it now, and Bob's next pinned request gets
+    # one of them only erased.
+    again = clients[ALICE].post("/v1/completions", json={
+        "model": "smol", "prompt": [alice[0]["content"]], "max_tokens": 4})
     assert again.status_code == 200, again.text
     erased = len(corral.log_events("prompt_cache.slot_erased"))
     answer, headers = _chat(clients[BOB], alice)
@@ -332,8 +331,9 @@ async def _changing_hands(tmp_path: Path) -> None:
     sent = await _send(child, "alice", alice, path="/v1/messages")
     assert sent["cache_prompt"] is False and child.posts == ["/slots/0?action=erase"]
     assert child.records[0] is None
-    # Where llama-server honours cache_prompt: nothing erased.
-    sent = await _send(child, "alice", alice, path="/v1/responses")
+    # Where llama-server honours cache_prompt (a prompt array corral cannot pin): nothing
+    # erased.
+    sent = await _send(child, "alice", alice, path=COMPLETIONS)
     assert sent["cache_prompt"] is False and "id_slot" not in sent and len(child.posts) == 1
     sent = await _send(child, "bob", _conversation("Bob's third."))
     assert sent["id_slot"] == 0 and child.posts[1:] == ["/slots/0?action=erase"]

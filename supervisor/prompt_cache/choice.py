@@ -23,6 +23,13 @@ from collections.abc import Collection, Hashable, Iterable
 from typing import Any
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+RESPONSES = "/v1/responses"
+# Requests corral pins to a slot itself (`id_slot`): it reads their conversation.
+PINNED = frozenset({CHAT, COMPLETIONS, RESPONSES})
+# Of those, the ones whose slots are saved and restored: the child tells their tokens
+# (/apply-template takes a chat body, /tokenize a prompt). A Responses body becomes a chat
+# inside llama-server, by rules of its own that corral would have to copy to know the tokens.
+SAVED = frozenset({CHAT, COMPLETIONS})
 # Paths llama-server answers without a slot (tokenizing only): nothing of a slot changes.
 SLOTLESS = frozenset({"/tokenize", "/detokenize", "/apply-template",
                       "/v1/messages/count_tokens"})
@@ -79,8 +86,27 @@ def conversation(path: str, body: dict[str, Any]) -> list[Any] | str | None:
     if path == CHAT:
         messages = body.get("messages")
         return messages if isinstance(messages, list) else None
+    if path == RESPONSES:
+        return _responses_turns(body)
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _responses_turns(body: dict[str, Any]) -> list[Any] | None:
+    """A Responses request's conversation as llama-server reads it: `instructions` (its
+    system message) first, then the `input` items (a string: one user message). Compared
+    item by item, as chat messages are (a coding agent sends the whole input every turn)."""
+    given = body.get("input")
+    if isinstance(given, str):
+        turns: list[Any] = [{"role": "user", "content": given}]
+    elif isinstance(given, list):
+        turns = given
+    else:
+        return None
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        return [{"role": "system", "content": instructions}, *turns]
+    return turns
 
 
 def _text(value: object) -> str | None:

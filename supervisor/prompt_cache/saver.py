@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from corral.supervisor.prompt_cache.choice import Record
+from corral.supervisor.prompt_cache.choice import SAVED, Record
 from corral.supervisor.prompt_cache.files import TEMP_SUFFIX, kv_per_token
 from corral.supervisor.prompt_cache.store import SUFFIX, Entry, fingerprint
 
@@ -175,7 +175,7 @@ class Saver:
         for i in self.changed():
             record = slots.records[i]
             assert record is not None
-            if record.size() * 2 >= settings.min_tokens:
+            if record.path in SAVED and record.size() * 2 >= settings.min_tokens:
                 todo.append((i, record))
             else:
                 self._saved[i] = record

@@ -1,8 +1,9 @@
 """One running llama-server child's slots, as the prompt cache sees them.
 
 llama-server's GET /slots tells how many tokens a slot holds, never which: corral pins every
-chat and completion request to a slot itself (`id_slot`) and keeps the last request each slot
-served (which slot a request goes to: choice.py). Once the child is idle, and at its stop, the
+chat, completion and Responses request to a slot itself (`id_slot`) and keeps the last request
+each slot served (which slot a request goes to: choice.py; a Responses request's slot is kept
+for its key, never saved: choice.SAVED). Once the child is idle, and at its stop, the
 child's own /apply-template and /tokenize turn that request into the tokens the slot holds,
 and the slot is saved with them (saver.py). When a request lands on an empty slot and a saved
 prefix of its own tokens exists, that file is restored into the slot first, and the answer's
@@ -35,6 +36,8 @@ from corral.supervisor.port import Lease, Restored
 from corral.supervisor.prompt_cache.choice import (
     CHAT,
     COMPLETIONS,
+    PINNED,
+    SAVED,
     SLOTLESS,
     Choice,
     Record,
@@ -124,7 +127,7 @@ class Slots:
             turn = self._gate.enter(lease, namespace, path in _IGNORES_CACHE_PROMPT)
             if turn is not None:
                 await self._wait_turn(lease, turn, path)
-        if path not in (CHAT, COMPLETIONS):
+        if path not in PINNED:
             # No conversation to keep, no id_slot.
             return self._astray(lease, path, await self._shared(path, body, namespace),
                                 namespace)
@@ -281,9 +284,8 @@ class Slots:
 
     def _astray(self, lease: Lease, path: str, body: Any, namespace: str) -> Any:
         """`body` goes to the child without an id_slot: llama-server gives it whichever idle
-        slot it likes (/v1/messages and /v1/embeddings ignore id_slot; /v1/responses takes
-        it, but which conversation a Responses body continues is not read here, and
-        llama-server's own prefix match keeps a session's turns on one slot). The
+        slot it likes (/v1/messages and /v1/embeddings ignore id_slot; a prompt array has
+        no conversation to match; every slot may be leased). The
         slots it may take are unsure until corral pins a request to them again: never saved
         under their last conversation's tokens (the file would hold another request's KV
         and supersede that conversation's genuine one)."""
@@ -338,7 +340,7 @@ class Slots:
         """Into the empty `slot`: the saved file that shares the longest prefix with this
         request, if one does. Bounded by restore_timeout; any doubt, any error: skipped."""
         cache, store = self._cache, self._cache.store
-        if not self.spec.prompt_cache or not store.entries:
+        if not self.spec.prompt_cache or not store.entries or record.path not in SAVED:
             return
         settings = cache.settings()
         began = time.monotonic()
