@@ -518,3 +518,77 @@ async def _messages_own(tmp_path: Path) -> None:
     # Alice's next request gets none of the slots Bob's requests may have used unerased.
     sent = await _send(child, "alice", _conversation("Alice's."))
     assert child.posts == [f"/slots/{sent['id_slot']}?action=erase"]
+
+
+class _Erasing(_Child):
+    """Its erases answered with the next of `answers` (then 200), the first one only once
+    `go` is set (None: at once); `erased` lists those answered 200."""
+
+    def __init__(self, cache: PromptCache, parallel: int) -> None:
+        super().__init__(cache, parallel)
+        self.go: asyncio.Event | None = None
+        self.answers: list[int] = []
+        self.erased: list[str] = []
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        self.posts.append(path)
+        go, self.go = self.go, None
+        if go is not None:
+            await go.wait()
+        status = self.answers.pop(0) if self.answers else 200
+        if status == 200:
+            self.erased.append(path)
+        return status, {}
+
+
+def test_a_messages_request_never_goes_while_its_own_keys_slot_still_holds_anothers(tmp_path):
+    asyncio.run(_own_slot_not_cleared(tmp_path))
+
+
+async def _own_slot_not_cleared(tmp_path: Path) -> None:
+    """Bob's chat takes Alice's last slot and erases it first; until that erase is done (or
+    when it failed, the chat going with cache_prompt false) the slot is idle in the child with
+    her KV, though leased to Bob's request. Bob's /v1/messages request (llama-server puts it on
+    the idle slot most like it) must not go before that slot holds nothing of hers: it was
+    sent at once, the slot taken for its own key's."""
+    for failed in (False, True):
+        await _own_slot_case(tmp_path, failed)
+
+
+async def _own_slot_case(tmp_path: Path, failed: bool) -> None:
+    child = _Erasing(PromptCache(tmp_path / str(failed), PromptCacheConfig, EventBus()),
+                     parallel=2)
+    await _send(child, "alice", _conversation("Alice's."))  # slot 0
+    await _send(child, "alice", [{"role": "system", "content": "Other."},
+                                 {"role": "user", "content": "?"}])  # slot 1
+    child.posts.clear()
+    chat = _Lease()
+    go = asyncio.Event()
+    if failed:
+        # The erase fails (the child busy past restore_timeout): the chat goes with
+        # cache_prompt false, her KV still in its slot until the child runs it.
+        child.answers = [500]
+        sent = json.loads(await child.pin(chat, BASE + CHAT,  # type: ignore[arg-type]
+                                          _body(_conversation("Bob's.")), caller="bob"))
+        assert sent["cache_prompt"] is False and sent["id_slot"] == 0
+    else:
+        child.go = go
+        pinning = asyncio.create_task(child.pin(chat, BASE + CHAT,  # type: ignore[arg-type]
+                                                _body(_conversation("Bob's.")),
+                                                caller="bob"))
+        await wait_async(lambda: child.posts == ["/slots/0?action=erase"])
+    messages = _Lease()
+    sending = asyncio.create_task(child.pin(
+        messages, BASE + "/v1/messages",  # type: ignore[arg-type]
+        _body(_conversation("Bob's.")), caller="bob"))
+    if not failed:
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not sending.done(), "sent while Alice's KV was still in slot 0"
+        go.set()
+        await pinning
+    await sending
+    assert "/slots/0?action=erase" in child.erased, failed
+    assert "/slots/1?action=erase" in child.erased, failed
+    child.unpin(messages)  # type: ignore[arg-type]
+    child.unpin(chat)  # type: ignore[arg-type]

@@ -77,6 +77,10 @@ class Slots:
         self.unsure = self._choice.unsure  # slots an unpinned request may have taken
         self._unpinned: dict[Lease, str] = {}  # such requests in flight, and their namespaces
         self._leased: dict[int, Lease] = {}
+        # Leased slots taken from another namespace, and whether their erase is done (True),
+        # under way, or failed or cut short (False): idle in the child with another's KV until
+        # it is, though leased to the caller's own (a /v1/messages request must not go then).
+        self._clearing: dict[int, asyncio.Future[bool]] = {}
         self._gate = NamespaceGate()  # whose generations may be at the child together
         self._namespaces: set[str] = set()  # whose requests this child has served
         self._log = log.bind(model=model, instance=instance)
@@ -185,7 +189,7 @@ class Slots:
         save restored into it, if one matches. False: the erase failed (the request must go
         with `cache_prompt: false`)."""
         try:
-            if foreign and not await self._erase(slot):
+            if foreign and not await self._cleared(slot):
                 return False
             await self._restore(lease, slot, record)
         except BaseException:
@@ -196,6 +200,18 @@ class Slots:
             self.unsure.add(slot)
             raise
         return True
+
+    async def _cleared(self, slot: int) -> bool:
+        """The leased `slot` erased (`_erase`), what came of it told to `_shared` meanwhile."""
+        clearing = self._clearing[slot] = asyncio.get_running_loop().create_future()
+        erased = False
+        try:
+            erased = await self._erase(slot)
+        finally:
+            clearing.set_result(erased)
+            if erased and self._clearing.get(slot) is clearing:
+                del self._clearing[slot]
+        return erased
 
     async def _wait_turn(self, lease: Lease, turn: asyncio.Future[None], path: str) -> None:
         """Until the gate lets this request in (gate.py: a /v1/messages request and another
@@ -229,9 +245,16 @@ class Slots:
             return body
         if path in _IGNORES_CACHE_PROMPT:
             # No other caller's request is at the child now (the gate): every slot another
-            # may have used is idle, and erased here; a slot leased now is the caller's own.
+            # may have used is idle, and erased here. A slot leased now is the caller's own
+            # namespace's, its KV too once the erase its request made is done: until then
+            # (or when that erase failed, or was cut short) it is idle in the child with
+            # another's KV, and this request could land on it.
             for slot in range(len(self.records)):
-                if slot in self._leased or not self._choice.foreign(slot, namespace):
+                clearing = self._clearing.get(slot)
+                if slot in self._leased:
+                    if clearing is None or await asyncio.shield(clearing):
+                        continue
+                elif not self._choice.foreign(slot, namespace):
                     continue
                 if not await self._erase(slot):
                     # It would land on that slot, maybe, and reuse what it holds.
@@ -240,6 +263,8 @@ class Slots:
                         "from the slot this request may land on; try again")
                 if slot not in self._leased:
                     self._choice.forget(slot)  # nothing left of it to save or match
+                elif clearing is not None and self._clearing.get(slot) is clearing:
+                    del self._clearing[slot]  # erased here: nothing of another's left
         return _without_reuse(body, parsed)
 
     async def _erase(self, slot: int) -> bool:
@@ -262,6 +287,7 @@ class Slots:
         self._gate.leave(lease)
         if lease.slot is not None and self._leased.get(lease.slot) is lease:
             del self._leased[lease.slot]
+            self._clearing.pop(lease.slot, None)
             self._choice.release(lease.slot)
             if self._unpinned:
                 # A request waiting for any slot (llama-server's queue) gets this one next.
