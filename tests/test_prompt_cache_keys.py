@@ -7,6 +7,7 @@ nothing, and the key's own next turn still restores. No keys configured: restore
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -592,3 +593,29 @@ async def _own_slot_case(tmp_path: Path, failed: bool) -> None:
     assert "/slots/1?action=erase" in child.erased, failed
     child.unpin(messages)  # type: ignore[arg-type]
     child.unpin(chat)  # type: ignore[arg-type]
+
+
+def test_a_reloaded_queue_timeout_bounds_a_messages_requests_wait(tmp_path):
+    asyncio.run(_reloaded_wait(tmp_path))
+
+
+async def _reloaded_wait(tmp_path: Path) -> None:
+    """A reload applies queue_timeout at once (the door's waits use it): so does the wait of a
+    /v1/messages request for other keys' requests, not the value the child started with."""
+    cache = PromptCache(tmp_path, PromptCacheConfig, EventBus())
+    started = dataclasses.replace(_Child(cache, parallel=2).spec, queue_timeout=300)
+    now = dataclasses.replace(started, queue_timeout=0.2)
+    child = cache.slots(model="m", instance="m", spec=started, setup=Setup("k", ()),
+                        base_url=BASE, headers={}, session=None,  # type: ignore[arg-type]
+                        live=lambda: now)
+    alices = _Lease()
+    await child.pin(alices, BASE + CHAT, _body(_conversation("Alice's.")),  # type: ignore[arg-type]
+                    caller="alice")
+    bobs = _Lease()
+    with pytest.raises(QueueTimeout) as waited:
+        async with asyncio.timeout(5):
+            await child.pin(bobs, BASE + "/v1/messages",  # type: ignore[arg-type]
+                            _body(_conversation("Bob's.")), caller="bob")
+    assert "0.2s" in str(waited.value)
+    child.unpin(bobs)  # type: ignore[arg-type]
+    child.unpin(alices)  # type: ignore[arg-type]

@@ -520,7 +520,7 @@ class Instance:
             self.prompt_slots = cache.slots(
                 model=self.model, instance=self.name, spec=spec, setup=setup,
                 base_url=f"http://127.0.0.1:{self.port}", headers=self._headers,
-                session=session, busy=lambda: self.in_flight > 0)
+                session=session, busy=lambda: self.in_flight > 0, live=lambda: self.spec)
         self._swap(State.STARTING, State.READY)
         self._watch = ChildWatch(
             self.name, process, session, port=self.port or 0,

@@ -108,13 +108,16 @@ class PromptCache:
 
     def slots(self, *, model: str, instance: str, spec: ModelSpec, setup: Setup,
               base_url: str, headers: dict[str, str], session: aiohttp.ClientSession,
-              busy: Callable[[], bool] = lambda: False) -> Slots:
+              busy: Callable[[], bool] = lambda: False,
+              live: Callable[[], ModelSpec] | None = None) -> Slots:
         """`setup`: the child's, from its spawn (`setup()`); `busy`: whether the child has a
-        request in flight (no idle save then)."""
+        request in flight (no idle save then); `live`: the model's spec now (a reload's
+        queue_timeout applies at once; `spec` is the one the child started with)."""
         from corral.supervisor.prompt_cache.slots import Slots
 
         return Slots(self, model=model, instance=instance, spec=spec, setup=setup,
-                     base_url=base_url, headers=headers, session=session, busy=busy)
+                     base_url=base_url, headers=headers, session=session, busy=busy,
+                     live=live)
 
     def status(self) -> dict[str, object]:
         settings = self.settings()

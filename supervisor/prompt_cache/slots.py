@@ -66,9 +66,13 @@ REUSED_SHARE = 0.5
 class Slots:
     def __init__(self, cache: PromptCache, *, model: str, instance: str, spec: ModelSpec,
                  setup: Setup, base_url: str, headers: dict[str, str],
-                 session: aiohttp.ClientSession, busy: Callable[[], bool] = lambda: False):
+                 session: aiohttp.ClientSession, busy: Callable[[], bool] = lambda: False,
+                 live: Callable[[], ModelSpec] | None = None):
         self._cache = cache
         self.model, self.instance, self.spec = model, instance, spec
+        # The model's spec now: a reload changes its queue limits at once, not `spec` (the
+        # one the child started with, whose KV layout its slots hold).
+        self._live = live or (lambda: self.spec)
         self.setup = setup  # taken at the child's spawn: its saves are under it for life
         self._stale = False  # a file of its setup was replaced under it: no more restores
         self._base, self._headers, self._session = base_url, headers, session
@@ -218,17 +222,18 @@ class Slots:
         caller's requests are never at the child together), within the model's queue_timeout
         (the wait is one for the child, as a wait for a slot is)."""
         began = time.monotonic()
+        limit = self._live().queue_timeout
         self._log.info("prompt_cache.waiting_for_other_callers", path=path,
                        waiting=self._gate.waiting())
         try:
-            async with asyncio.timeout(self.spec.queue_timeout):
+            async with asyncio.timeout(limit):
                 await turn
         except BaseException as exc:
             self._gate.leave(lease)  # its place in the line, or what it was let in to
             if isinstance(exc, TimeoutError):
                 raise QueueTimeout(
                     f"{self.instance}: other API keys' requests held the model within "
-                    f"{self.spec.queue_timeout:g}s (queue_timeout); a /v1/messages request "
+                    f"{limit:g}s (queue_timeout); a /v1/messages request "
                     "waits for them (docs/memory.md, per key)") from None
             raise
         self._log.info("prompt_cache.waited_for_other_callers", path=path,
