@@ -358,6 +358,40 @@ def test_a_burst_past_a_frames_size_goes_in_several(monkeypatch: pytest.MonkeyPa
     assert [message[1] for message in asyncio.run(scenario())] == [0, 1, 2, 3, 4]
 
 
+def test_a_frame_that_cannot_be_read_ends_the_link_and_fails_its_calls() -> None:
+    """A frame the reading end cannot unpickle (a class it cannot import: a plugin's error
+    the other end could) ended the link's reader with the unpickling error itself: the link
+    closed by its `finally`, but as a traceback (an unretrieved task exception in the
+    worker, an unhandled callback error in the daemon), never saying why. Now it ends as a
+    link the other end left: each waiting call fails at once, and one error line names the
+    frame (the daemon spawns the worker again)."""
+    from structlog.testing import capture_logs
+
+    async def scenario() -> tuple[BaseException | None, bool]:
+        reader = asyncio.StreamReader()
+        writer = SimpleNamespace(is_closing=lambda: False, write=lambda data: None,
+                                 close=lambda: None)
+        link = Link(reader, cast(Any, writer))
+        task = asyncio.create_task(link._read())
+        waiting = asyncio.create_task(link.call("acquire", "m", False, None, None))
+        await asyncio.sleep(0)
+        spoilt = b"cno_such_module_here\nThing\n(tR."  # a pickle of a class nowhere here
+        reader.feed_data(frames._LENGTH.pack(len(spoilt)) + spoilt)
+        error: BaseException | None = None
+        try:
+            await asyncio.wait_for(waiting, 10)
+        except Exception as exc:
+            error = exc
+        await asyncio.wait_for(task, 10)
+        return error, link.closed
+
+    with capture_logs() as logs:
+        error, closed = asyncio.run(scenario())
+    assert closed and error is not None and "shutting down" in str(error), error
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == \
+        ["relay_link.frame_unreadable"], logs
+
+
 def test_a_call_too_big_for_a_frame_fails_rather_than_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pin whose body alone is past MAX_FRAME (max_body_mb above it) cannot be sent: the

@@ -33,9 +33,19 @@ async def read(reader: asyncio.StreamReader) -> Any:
         (size,) = _LENGTH.unpack(head)
         if size > MAX_FRAME:
             raise LinkClosed(f"a frame of {size} bytes")
-        return pickle.loads(await reader.readexactly(size))
+        data = await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise LinkClosed(str(exc) or "closed") from exc
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        # A class this end cannot import (a plugin's error the other end could), a frame
+        # spoilt: the messages in it are lost. The link ends as if the other end went away
+        # (a worker is spawned again, its leases given back, its calls failed), said in one
+        # line, not as an unpickling traceback out of the reader.
+        log.error("relay_link.frame_unreadable", bytes=size,
+                  error=f"{type(exc).__name__}: {exc}"[:300])
+        raise LinkClosed(f"a frame that could not be read ({type(exc).__name__})") from exc
 
 
 def write(writer: asyncio.StreamWriter, message: Any) -> None:
