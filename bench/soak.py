@@ -200,10 +200,19 @@ class Run:
 def open_fds(pid: int) -> Counter[str]:
     """The open fds of corral: the daemon's and its relay workers' (relay_workers)."""
     kinds: Counter[str] = Counter()
-    workers = [p.pid for p in psutil.Process(pid).children()
-               if "corral.proxy.workers.main" in " ".join(p.cmdline())]
+    workers = []
+    for child in psutil.Process(pid).children():
+        # A child the chaos killed a moment ago is a zombie until corral reaps it: no
+        # command line to read, and no worker.
+        with contextlib.suppress(psutil.Error):
+            if "corral.proxy.workers.main" in " ".join(child.cmdline()):
+                workers.append(child.pid)
     for each in (pid, *workers):
-        for fd in os.listdir(f"/proc/{each}/fd"):
+        try:
+            fds = os.listdir(f"/proc/{each}/fd")
+        except FileNotFoundError:
+            continue  # a worker gone since (spawned again by the daemon)
+        for fd in fds:
             try:
                 target = os.readlink(f"/proc/{each}/fd/{fd}")
             except OSError:
@@ -388,8 +397,11 @@ def main() -> int:
                 failures.append(f"{len(strays)} process(es) of this run alive while corral "
                                 f"says every model is stopped: "
                                 f"{[(p.pid, p.ppid()) for p in strays]}")
-            zombies = [c.pid for c in psutil.Process(proxied.pid).children()
-                       if c.status() == psutil.STATUS_ZOMBIE]
+            zombies = []
+            for child in psutil.Process(proxied.pid).children():
+                with contextlib.suppress(psutil.NoSuchProcess):  # reaped meanwhile
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        zombies.append(child.pid)
             if zombies:
                 failures.append(f"unreaped (zombie) children of corral: {zombies}")
             after = asyncio.run(settle_fds(proxied.pid, sum(before.values()), 35))
