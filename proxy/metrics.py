@@ -107,6 +107,13 @@ class Metrics:
             "corral_prompt_cache_prefill_saved_seconds", "Prefill time the restored tokens "
             "would have taken, estimated at the child's prefill speed for the request", model,
             registry=r)
+        self.cache_key_waits = Counter(
+            "corral_prompt_cache_key_waits", "Requests llama-server places itself "
+            "(/v1/messages) that waited for other API keys' requests on their child to end",
+            model, registry=r)
+        self.cache_key_wait_seconds = Counter(
+            "corral_prompt_cache_key_wait_seconds", "Seconds those requests waited", model,
+            registry=r)
         r.register(_LiveState(daemon))
         daemon.events.listen(self.on_event)
 
@@ -154,6 +161,9 @@ class Metrics:
             self.cache_dropped.labels(data["model"]).inc()
         elif kind == "prompt_cache_restore_unused":
             self.cache_unused_restores.labels(data["model"]).inc()
+        elif kind == "prompt_cache_key_wait":
+            self.cache_key_waits.labels(data["model"]).inc()
+            self.cache_key_wait_seconds.labels(data["model"]).inc(data["seconds"])
         elif kind == "reload":
             self.reloads.labels("ok" if data["ok"] else "failed").inc()
         elif kind == "group":

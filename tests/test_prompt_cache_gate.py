@@ -103,6 +103,8 @@ def test_a_messages_request_waits_for_another_keys_request_and_reuses_none_of_it
         assert usage.get("cache_read_input_tokens", 0) == 0 and usage["input_tokens"] > 100, usage
         waited = corral.log_events("prompt_cache.waited_for_other_callers")
         assert [e["path"] for e in waited] == ["/v1/messages"], waited
+        metrics = corral.http.get("/metrics").text
+        assert 'corral_prompt_cache_key_waits_total{model="m"} 1.0' in metrics, metrics
         # Alice's slot was erased before Bob's request went.
         assert corral.log_events("prompt_cache.slot_erased")
 

@@ -236,8 +236,12 @@ class Slots:
                     f"{limit:g}s (queue_timeout); a /v1/messages request "
                     "waits for them (docs/memory.md, per key)") from None
             raise
+        waited = time.monotonic() - began
         self._log.info("prompt_cache.waited_for_other_callers", path=path,
-                       ms=round((time.monotonic() - began) * 1000, 1))
+                       ms=round(waited * 1000, 1))
+        self._cache.events.publish("prompt_cache_key_wait", model=self.model,
+                                   instance=self.instance, path=path,
+                                   seconds=round(waited, 4))
 
     async def _shared(self, path: str, body: Any, namespace: str,
                       parsed: dict[str, Any] | None = None) -> Any:
