@@ -83,6 +83,13 @@ class PromptSlots(Protocol):
     def refused(self, lease: Lease) -> None: ...
 
 
+class PrefixSalter(Protocol):
+    """A vLLM child's requests, each with its caller's `cache_salt` (prompt_cache/salt.py)."""
+
+    def apply(self, url: str, body: Any, parsed: dict[str, Any] | None,
+              caller: str | None) -> Any: ...
+
+
 class LeaseOwner(Protocol):
     """What a lease calls back into (the instance that handed it out)."""
 
@@ -95,14 +102,15 @@ class Lease:
     """The right to send one request to one ready child; `release()` exactly once (more calls
     do nothing). A value for the proxy: where to send, with which headers and deadlines."""
 
-    __slots__ = ("_owner", "_prompt_slots", "_released", "_slots", "base_url",
+    __slots__ = ("_owner", "_prompt_slots", "_released", "_salts", "_slots", "base_url",
                  "first_byte_timeout", "headers", "idle_timeout", "instance", "model", "pid",
                  "ready_since", "restored", "served_name", "slot")
 
     def __init__(self, owner: LeaseOwner, *, model: str, instance: str, pid: int | None,
                  base_url: str, headers: Mapping[str, str], first_byte_timeout: float | None,
                  idle_timeout: float | None, ready_since: float, slots: Any = None,
-                 prompt_slots: PromptSlots | None = None, served_name: str | None = None):
+                 prompt_slots: PromptSlots | None = None, served_name: str | None = None,
+                 salts: PrefixSalter | None = None):
         self._owner = owner
         self._released = False
         self._slots = slots  # the slot set it came from (a reload may give the next child new)
@@ -118,6 +126,8 @@ class Lease:
         # carry it in `model`, answers get the model's name back.
         self.served_name = served_name
         self._prompt_slots = prompt_slots
+        # A vLLM child: each caller's prefix cache its own (prompt_cache/salt.py).
+        self._salts = salts
         self.slot: int | None = None  # the child's slot the request was pinned to (id_slot)
         self.restored: Restored | None = None
 
@@ -127,13 +137,16 @@ class Lease:
         restored into that slot when it is empty and one matches (`restored`), all in the
         namespace of the request's caller (`CALLER`). Otherwise the
         body as is. `parsed`: what bytes `body` parse to, when the caller has it already."""
+        if self._salts is not None:
+            return self._salts.apply(url, body, parsed, CALLER.get())
         if self._prompt_slots is None or self.slot is not None:
             return body
         return await self._prompt_slots.pin(self, url, body, parsed, CALLER.get())
 
     def pins_requests(self) -> bool:
-        """Whether the prompt cache pins this lease's requests to slots (pin may change them)."""
-        return self._prompt_slots is not None
+        """Whether the prompt cache pins this lease's requests to slots, or salts them (pin
+        may change them)."""
+        return self._prompt_slots is not None or self._salts is not None
 
     def reused(self, cache_n: int | None) -> None:
         """The child's answer said it took `cache_n` prompt tokens from its cache

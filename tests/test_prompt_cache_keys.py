@@ -28,6 +28,7 @@ from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record
 from corral.supervisor.prompt_cache.identity import Setup
 from corral.supervisor.prompt_cache.namespace import SALT, Namespaces
+from corral.supervisor.prompt_cache.salt import PrefixSalts
 from corral.supervisor.prompt_cache.slots import Slots
 from corral.supervisor.prompt_cache.store import SUFFIX, Entry, Store, fingerprint
 
@@ -211,6 +212,41 @@ def test_namespaces_are_salted_per_state_dir(tmp_path):
 
 
 # -- without a child -------------------------------------------------------------------------
+
+def test_a_vllm_request_carries_its_callers_own_cache_salt(tmp_path):
+    """vLLM reuses any earlier prompt's prefix, whoever sent it: each caller's requests carry
+    a `cache_salt` of its own (prompt_cache/salt.py), secret, stable for the dir, and a
+    client's own salt only divides its key's cache further."""
+    salts = PrefixSalts(Namespaces(tmp_path))
+    url = BASE + CHAT
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    alice = json.loads(salts.apply(url, body, None, "alice"))
+    bob = json.loads(salts.apply(url, body, None, "bob"))
+    salt = alice["cache_salt"]
+    assert salt != bob["cache_salt"] and len(salt) == 64 and int(salt, 16) >= 0
+    assert {k: v for k, v in alice.items() if k != "cache_salt"} == json.loads(body)
+    assert json.loads(salts.apply(url, body, None, "alice")) == alice  # stable
+    again = PrefixSalts(Namespaces(tmp_path))  # another daemon on the same dir
+    assert json.loads(again.apply(url, body, None, "alice")) == alice
+    (tmp_path / "other").mkdir()
+    assert json.loads(PrefixSalts(Namespaces(tmp_path / "other")).apply(
+        url, body, None, "alice"))["cache_salt"] != salt  # another dir's secret
+    # A client's own salt: hashed within its key's, never replacing it.
+    theirs = b'{"model": "m", "cache_salt": "shared", "messages": []}'
+    mine = json.loads(salts.apply(url, theirs, None, "alice"))["cache_salt"]
+    his = json.loads(salts.apply(url, theirs, None, "bob"))["cache_salt"]
+    assert len({mine, his, salt, "shared"}) == 4 and len(mine) == 64
+    # Every family vLLM salts; a dict body (a group's member request) too.
+    for path in ("/v1/completions", "/v1/responses", "/v1/messages"):
+        assert json.loads(salts.apply(BASE + path, body, None, "alice"))["cache_salt"] == salt
+    assert salts.apply(url, {"model": "m"}, None, "alice") == {"model": "m", "cache_salt": salt}
+    assert json.loads(salts.apply(url, b" {}", None, "alice")) == {"cache_salt": salt}
+    # As sent: no keys, a path without a prefix cache, what is not a JSON object.
+    assert salts.apply(url, body, None, None) is body
+    assert salts.apply(BASE + "/v1/embeddings", body, None, "alice") is body
+    for odd in (b"[1, 2]", b"not json", b'"cache_salt"'):
+        assert salts.apply(url, odd, None, "alice") == odd
+
 
 def _chat_record(messages: list[dict[str, str]], namespace: str) -> Record:
     return Record(CHAT, {"messages": messages}, used=time.monotonic(), namespace=namespace)

@@ -37,6 +37,7 @@ VLLM_PYTHON = Path(os.environ.get("CORRAL_VLLM_PYTHON", ROOT / "build/vllm-venv/
 VLLM_COMMAND = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 COLD_START = 400  # seconds; 75-100 s measured on two cores, slower beside the rest of a suite
 HI = [{"role": "user", "content": "hi"}]
+KEY, OTHER_KEY = "vllm-test-key", "vllm-other-key"
 
 pytestmark = pytest.mark.timeout(900)
 LONG_STREAM = 12000  # tokens of the stream the kill test cuts (tinyhf's MAX_POSITIONS: room)
@@ -55,8 +56,11 @@ def vllm_config(checkpoint: Path, tiny_models: dict[str, Path], **tinyv: Any) ->
             # --enforce-eager: vLLM's torch.compile warm-up took 19 s of each cold start here
             # (a fresh checkpoint per run: never a cache hit), and nothing corral does
             # depends on it.
+            # --enable-prompt-tokens-details: answers say how many prompt tokens came from
+            # vLLM's prefix cache (the per-key test reads it).
             "tinyv": {"backend": "vllm", "model": str(checkpoint), "command": VLLM_COMMAND,
-                      "ctx": 16384, "parallel": 2, "args": ["--enforce-eager"], **tinyv},
+                      "ctx": 16384, "parallel": 2,
+                      "args": ["--enforce-eager", "--enable-prompt-tokens-details"], **tinyv},
             "tiny-a": {"model": str(tiny_models["tiny-a"]), "ctx": 2048},
         },
         "groups": {"mixed": {"models": ["tiny-a", "tinyv"], "type": "parallel"}},
@@ -66,7 +70,9 @@ def vllm_config(checkpoint: Path, tiny_models: dict[str, Path], **tinyv: Any) ->
 @pytest.fixture(scope="module")
 def served(start_corral_module: CorralFactory, checkpoint: Path,
            tiny_models: dict[str, Path]) -> Corral:
-    return start_corral_module(vllm_config(checkpoint, tiny_models))
+    # Two keys: the tests use KEY, the per-key prefix cache test OTHER_KEY too.
+    return start_corral_module({**vllm_config(checkpoint, tiny_models),
+                                "api_keys": [KEY, OTHER_KEY]}, api_key=KEY)
 
 
 
@@ -136,6 +142,34 @@ def test_stream_through_the_sdk(served: Corral) -> None:
     whole = client.chat.completions.create(model="tinyv", messages=HI, max_tokens=12,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert whole.choices[0].message.content == text
+
+
+def test_each_key_has_its_own_prefix_cache(served: Corral) -> None:
+    """vLLM reuses any earlier prompt's prefix, whoever sent it: another key's answer came as
+    fast as a cache hit on a prompt one key had sent (measured here before: the second key's
+    request of the same prompt took its whole prefix from the cache). corral sends each key's
+    requests with a `cache_salt` of its own: a key's next request still reuses its own
+    prefix, another key's reuses nothing of it."""
+    import httpx
+
+    system = "The ledger of the valley. " + " ".join(
+        f"Entry {i}: the {w} was counted by the clerk at dawn." for i, w in
+        enumerate(["mill", "bridge", "well", "road", "school", "market", "forge", "river"]))
+    body = {"model": "tinyv", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "hi"}]}
+
+    def cached(key: str) -> int:
+        resp = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=COLD_START,
+                          headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        assert usage["prompt_tokens"] > 100, usage
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    assert cached(KEY) == 0
+    assert cached(KEY) > 64  # its own prefix: reused
+    assert cached(OTHER_KEY) == 0  # the same prompt from another key: nothing of the first's
 
 
 def test_mixed_group_runs_a_llama_server_and_a_vllm_member(served: Corral) -> None:

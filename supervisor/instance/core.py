@@ -232,7 +232,9 @@ class Instance:
                      served_name=spec.served_name,
                      first_byte_timeout=spec.first_byte_timeout,
                      idle_timeout=spec.idle_timeout, ready_since=self.since, slots=slots,
-                     prompt_slots=self.prompt_slots)
+                     prompt_slots=self.prompt_slots,
+                     salts=self._prompt_cache.salts
+                     if spec.backend == "vllm" and self._prompt_cache is not None else None)
 
     def _give_back(self, lease: Lease) -> None:
         self.in_flight -= 1

@@ -26,6 +26,7 @@ from corral.supervisor.events import EventBus
 from corral.supervisor.inventory import shards
 from corral.supervisor.prompt_cache.identity import Setup, file_id, key_parts
 from corral.supervisor.prompt_cache.namespace import Namespaces
+from corral.supervisor.prompt_cache.salt import PrefixSalts
 from corral.supervisor.prompt_cache.store import Entry, Store
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class PromptCache:
         self.store = Store(folder, lambda: int(self.settings().max_mb * (1 << 20)),
                            self._dropped)
         self.namespaces = Namespaces(folder)  # whose each save is (namespace.py)
+        # Each caller's own prefix cache in a vLLM child (salt.py).
+        self.salts = PrefixSalts(self.namespaces)
         self._builds: dict[tuple[str, int, int], str] = {}
 
     def _dropped(self, entry: Entry, reason: str) -> None:

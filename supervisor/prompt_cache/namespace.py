@@ -67,3 +67,8 @@ class Namespaces:
             digest = hmac.new(self._salt, caller.encode(), hashlib.sha256).hexdigest()
             found = self._known[caller] = digest[:_CHARS]
         return found
+
+    def keyed(self, *parts: str) -> str:
+        """An HMAC-SHA256 (hex) of `parts` under the dir's salt: a secret of corral's for
+        each caller (salt.py's cache_salt), which nobody without the salt can compute."""
+        return hmac.new(self._salt, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
