@@ -245,13 +245,21 @@ def write(path: Path, data: dict[str, Any] | str, atomic: bool = False) -> float
     return before
 
 
-def wait_reload(corral: Corral, since: float, timeout: float = 15) -> dict[str, Any]:
-    """The first reload attempt that finished after `since` (wall clock)."""
+def wait_reload(corral: Corral, since: float, timeout: float = 15,
+                noop: bool = False) -> dict[str, Any]:
+    """The first reload attempt that finished after `since` (wall clock), one that failed or
+    changed something unless `noop`: a reload that changed nothing may come from the write
+    before (its file's stamps looked at again after its own reload read it)."""
     def attempt() -> dict[str, Any] | None:
         recent = admin_config(corral)["recent_reloads"]
-        return next((a for a in recent if a["at"] > since), None)
+        return next((a for a in recent if a["at"] > since
+                     and (noop or not a["ok"] or _changed(a["changes"]))), None)
     result: dict[str, Any] = wait_until(attempt, timeout=timeout, interval=0.02)
     return result
+
+
+def _changed(changes: dict[str, Any]) -> bool:
+    return any(value for key, value in changes.items() if key != "unchanged")
 
 
 def settle(corral: Corral, quiet: float = 0.5) -> None:
@@ -347,7 +355,9 @@ def corral(shared: tuple[Corral, Setup]) -> tuple[Corral, Setup]:
             at = write(path, text)
             written = at if written is None else written
     if written is not None:
-        wait_reload(corral, written)  # the watcher's own reload of the rewrite comes first
+        # The watcher's own reload of the rewrite comes first (it may change nothing: the
+        # file was broken, the config running is the one written back).
+        wait_reload(corral, written, noop=True)
     resp = corral.http.post("/admin/reload")
     assert resp.status_code == 200, resp.text
     wait_until(lambda: all(m["state"] in ("ready", "stopped") for m in corral.models().values()),
@@ -646,6 +656,37 @@ def test_included_file_is_watched_and_its_errors_name_it(corral):
                                             "Extra inputs are not permitted")
     assert corral.model("tiny-c")["ttl"] == 77
     _untouched(corral, pids, spawned)
+
+
+@pytest.mark.expect_log("daemon.reload_failed")
+def test_an_included_file_caught_empty_is_read_again_and_one_left_empty_is_refused(corral):
+    """An editor saving an included file in place truncates it, then writes: a reload that
+    caught it empty loaded it as holding nothing, and removed its models (drained, stopped),
+    to add them again, new children, at the save's next write (CI's test-workers run caught
+    one this way). It is read again for a moment, as the main file is; one left empty is
+    refused, naming it, and `{}` empties it on purpose."""
+    corral, setup = corral
+    pids, spawned = _loaded_now(corral, ["tiny-a", "tiny-c"])
+    since = write(setup.extra, "")
+    time.sleep(0.2)  # far longer than a real save: the watcher sees the empty file for sure
+    setup.extra.write_text(yaml.safe_dump(setup.extra_config(ttl=78)))
+    attempt = wait_reload(corral, since)
+    assert attempt["ok"] and attempt["changes"]["updated"] == {"tiny-c": ["ttl"]}, attempt
+    settle(corral)
+    assert all(a["ok"] and not a["changes"]["removed"]
+               for a in admin_config(corral)["recent_reloads"] if a["at"] > since)
+    assert corral.model("tiny-c")["ttl"] == 78
+    _untouched(corral, pids, spawned)
+
+    attempt = wait_reload(corral, write(setup.extra, ""))
+    assert not attempt["ok"], attempt
+    assert attempt["issues"][0]["message"].startswith(
+        f"the included file {setup.extra} is empty; not applied"), attempt
+    assert corral.model("tiny-c")["state"] == "ready"
+    _untouched(corral, pids, spawned)
+
+    attempt = wait_reload(corral, write(setup.extra, "{}\n"))
+    assert attempt["ok"] and attempt["changes"]["removed"] == ["tiny-c"], attempt
 
 
 def test_new_pinned_group_starts_its_models(corral):

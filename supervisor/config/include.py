@@ -31,6 +31,9 @@ class Document:
     # Problems that leave a document to check (an unset ${VAR}, its value left empty): the
     # config is invalid, and its other problems are worth reporting in the same run.
     issues: tuple[ConfigIssue, ...] = ()
+    # Included files that hold no YAML at all (empty, or comments only): a reload that finds
+    # one so, where it held something, may have caught an editor's save halfway.
+    empty: tuple[Path, ...] = ()
 
 
 def read_config_file(path: Path) -> Document:
@@ -66,6 +69,7 @@ class _Reader:
         self.issues: list[ConfigIssue] = []
         self.unset: list[ConfigIssue] = []  # unset variables: not fatal to the reading
         self.hash = hashlib.sha256()
+        self.empty: list[Path] = []
 
     def read(self, text: str, filename: str, path: Path | None) -> Document:
         stack = (path.resolve(),) if path else ()
@@ -73,7 +77,8 @@ class _Reader:
         files = tuple(dict.fromkeys(self.files))  # in order, once each
         if self.issues or layer is None:
             raise ConfigError(self.issues, files)
-        return Document(layer[0], layer[1], files, self.hash.hexdigest(), tuple(self.unset))
+        return Document(layer[0], layer[1], files, self.hash.hexdigest(), tuple(self.unset),
+                        tuple(dict.fromkeys(self.empty)))
 
     def _layer(self, text: str, filename: str, path: Path | None, stack: tuple[Path, ...],
                root: bool) -> tuple[dict[str, Any], Lines] | None:
@@ -86,6 +91,8 @@ class _Reader:
             self.issues += exc.issues
             return None
         self.unset += unset
+        if not lines and not root and path is not None:
+            self.empty.append(path)
         names = self._include_list(data, lines, filename)
         if not names:
             return data, lines

@@ -4,6 +4,7 @@ and resolved; or the embedded default when there is no file."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ def _inspect(doc: Document, source: Path | None) -> Inspection:
         base_dir = source.parent.resolve() if source else Path.cwd()
         loaded, more = resolve_all(config, base_dir, source, doc.lines, files=doc.files,
                                    digest=doc.digest)
+        if loaded is not None and doc.empty:
+            loaded = dataclasses.replace(loaded, empty_files=frozenset(doc.empty))
         issues += more
     return Inspection(loaded, [*doc.issues, *(i for i in issues if not _under(i.key, unset))],
                       doc.files)

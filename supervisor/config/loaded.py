@@ -45,6 +45,8 @@ class LoadedConfig:
     # hash of their contents: what a reload watches, and how /admin/config names a version.
     files: tuple[Path, ...] = ()
     digest: str = ""
+    # Of the included files, those holding no YAML at all (include.Document.empty).
+    empty_files: frozenset[Path] = frozenset()
     strategy: PluginChoice = field(default_factory=lambda: PluginChoice("generic"))
     # Members of groups marked `pinned: true`.
     pinned: frozenset[str] = frozenset()

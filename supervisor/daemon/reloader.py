@@ -8,6 +8,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -115,6 +116,14 @@ class Reloader:
                 return self._failed(trigger, started,
                                     "the config file is empty; not applied (write `models: {}` "
                                     "to remove every model)", new.files)
+            emptied = _emptied(new, self._herd.loaded)
+            if emptied:
+                # An included file that held models or settings, found empty after the grace:
+                # applied, every model it held would drain and stop, to start again at the
+                # save's next write; emptying it on purpose is written `{}`.
+                return self._failed(trigger, started,
+                                    f"the included file {emptied[0]} is empty; not applied "
+                                    "(write `{}` in it to empty it on purpose)", new.files)
             if self._herd.closing:
                 return self._failed(trigger, started, "corral is shutting down; not applied",
                                     new.files)
@@ -136,7 +145,8 @@ class Reloader:
         # In a thread: parsing a large config must not stall the streams being relayed.
         new = await asyncio.to_thread(self._config_loader)
         waited = 0.0
-        while trigger == "file" and _is_empty(new) and waited < EMPTY_SAVE_GRACE_S:
+        while trigger == "file" and (_is_empty(new) or _emptied(new, self._herd.loaded)) \
+                and waited < EMPTY_SAVE_GRACE_S:
             await asyncio.sleep(0.05)
             waited += 0.05
             new = await asyncio.to_thread(self._config_loader)
@@ -228,6 +238,16 @@ class Reloader:
         for name in plan.pinned:
             herd.models[name].pin_anew()
         herd.changed.fire()
+
+
+def _emptied(new: LoadedConfig, active: LoadedConfig) -> list[Path]:
+    """The included files that hold no YAML now, and held some in the active config (an
+    include that was empty from the start, a placeholder, stays acceptable)."""
+    if not new.empty_files:
+        return []
+    return [path for path in new.files[1:]
+            if path in new.empty_files and path in active.files
+            and path not in active.empty_files]
 
 
 def _is_empty(loaded: LoadedConfig) -> bool:
