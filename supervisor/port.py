@@ -144,9 +144,12 @@ class Lease:
         return await self._prompt_slots.pin(self, url, body, parsed, CALLER.get())
 
     def pins_requests(self) -> bool:
-        """Whether the prompt cache pins this lease's requests to slots, or salts them (pin
-        may change them)."""
-        return self._prompt_slots is not None or self._salts is not None
+        """Whether `pin` may change this lease's requests: the prompt cache pins them to
+        slots, or salts them for the request's caller (with no keys configured there is no
+        caller, and a salted child's requests go as they are). A relay worker asks the
+        daemon to pin only then: one round trip fewer per request."""
+        return self._prompt_slots is not None or (self._salts is not None
+                                                  and bool(CALLER.get()))
 
     def reused(self, cache_n: int | None) -> None:
         """The child's answer said it took `cache_n` prompt tokens from its cache

@@ -24,6 +24,7 @@ from corral.supervisor.config.schema import PromptCacheConfig
 from corral.supervisor.config.specs import ModelSpec
 from corral.supervisor.errors import QueueTimeout, SlotNotCleared
 from corral.supervisor.events import EventBus
+from corral.supervisor.port import CALLER, Lease
 from corral.supervisor.prompt_cache import PromptCache
 from corral.supervisor.prompt_cache.choice import CHAT, COMPLETIONS, Choice, Record
 from corral.supervisor.prompt_cache.identity import Setup
@@ -236,6 +237,11 @@ def test_a_vllm_request_carries_its_callers_own_cache_salt(tmp_path):
     mine = json.loads(salts.apply(url, theirs, None, "alice"))["cache_salt"]
     his = json.loads(salts.apply(url, theirs, None, "bob"))["cache_salt"]
     assert len({mine, his, salt, "shared"}) == 4 and len(mine) == 64
+    # Its name written with escapes is the same field (vLLM's parser takes the last of two
+    # members of one name: a client's own would replace its key's).
+    escaped = b'{"model": "m", "cache\\u005fsalt": "shared", "messages": []}'
+    members = json.loads(salts.apply(url, escaped, None, "alice"), object_pairs_hook=list)
+    assert [v for k, v in members if k == "cache_salt"] == [mine]
     # Every family vLLM salts; a dict body (a group's member request) too.
     for path in ("/v1/completions", "/v1/responses", "/v1/messages"):
         assert json.loads(salts.apply(BASE + path, body, None, "alice"))["cache_salt"] == salt
@@ -246,6 +252,24 @@ def test_a_vllm_request_carries_its_callers_own_cache_salt(tmp_path):
     assert salts.apply(BASE + "/v1/embeddings", body, None, "alice") is body
     for odd in (b"[1, 2]", b"not json", b'"cache_salt"'):
         assert salts.apply(url, odd, None, "alice") == odd
+
+
+def test_a_salted_lease_asks_for_a_pin_only_for_a_caller(tmp_path):
+    """A relay worker asks the daemon to pin a request only when the pin may change it: a
+    vLLM child's lease salts for a caller, and with no keys configured there is none."""
+    lease = Lease(object(), model="m", instance="m", pid=1, base_url=BASE, headers={},
+                  first_byte_timeout=None, idle_timeout=None, ready_since=0.0,
+                  salts=PrefixSalts(Namespaces(tmp_path)))
+    assert not lease.pins_requests()
+    token = CALLER.set("alice")
+    try:
+        assert lease.pins_requests()
+        assert asyncio.run(lease.pin(BASE + CHAT, b'{"model": "m"}')) != b'{"model": "m"}'
+    finally:
+        CALLER.reset(token)
+    unsalted = Lease(object(), model="m", instance="m", pid=1, base_url=BASE, headers={},
+                     first_byte_timeout=None, idle_timeout=None, ready_since=0.0)
+    assert not unsalted.pins_requests()
 
 
 def _chat_record(messages: list[dict[str, str]], namespace: str) -> Record:
@@ -399,6 +423,52 @@ async def _changing_hands(tmp_path: Path) -> None:
     assert refused.value.retry_after and one.posts[1:] == ["/slots/0?action=erase"]
     one.unpin(lease)  # type: ignore[arg-type]
     assert shape_of(refused.value).status == 503
+
+
+def test_an_unpinned_request_may_land_on_a_leased_slot_idle_in_the_child(tmp_path):
+    asyncio.run(_leased_but_idle(tmp_path))
+
+
+async def _leased_but_idle(tmp_path: Path) -> None:
+    """A slot is idle in the child once its answer is generated, while corral may still
+    relay that answer: an unpinned request of another key may land there (llama-server picks
+    the idle slot most like it), and the slot's next request of its own key must not reuse
+    what that left."""
+    child = _Child(PromptCache(tmp_path, PromptCacheConfig, EventBus()), parallel=2)
+    bob = _conversation("Bob's.")
+    await _send(child, "alice", _conversation("Alice's."))  # two keys on the child
+    streaming = _Lease()  # Bob's answer, generated, relayed to a slow reader
+    await child.pin(streaming, BASE + CHAT, _body(bob), caller="bob")  # type: ignore[arg-type]
+    slot = streaming.slot
+    assert slot is not None
+    stray = _Lease()  # Alice's prompt array: no conversation to pin
+    sent = json.loads(await child.pin(  # type: ignore[arg-type]
+        stray, BASE + COMPLETIONS, b'{"model": "m", "prompt": ["Alice\'s secret"]}',
+        caller="alice"))
+    assert sent["cache_prompt"] is False and "id_slot" not in sent
+    child.unpin(stray)  # type: ignore[arg-type]
+    child.unpin(streaming)  # type: ignore[arg-type]
+    assert slot in child.unsure  # never saved under Bob's tokens
+    child.posts.clear()
+    sent = await _send(child, "bob", [*bob, {"role": "user", "content": "?"}])
+    assert sent["id_slot"] == slot and child.posts == [f"/slots/{slot}?action=erase"]
+
+
+def test_a_failed_erase_is_not_forgotten_when_its_request_never_ran(tmp_path):
+    asyncio.run(_failed_erase_remembered(tmp_path))
+
+
+async def _failed_erase_remembered(tmp_path: Path) -> None:
+    one = _Child(PromptCache(tmp_path, PromptCacheConfig, EventBus()), parallel=1, status=500)
+    alice = _conversation("Alice's.")
+    await _send(one, "alice", alice)
+    # Bob's request: the erase refused, sent with cache_prompt false; the child may never
+    # run it (refused with a 400, or the client hung up), and the slot holds Alice's KV.
+    assert (await _send(one, "bob", alice))["cache_prompt"] is False
+    one.status = 200
+    one.posts.clear()
+    sent = await _send(one, "bob", [*alice, {"role": "user", "content": "?"}])
+    assert one.posts == ["/slots/0?action=erase"] and "cache_prompt" not in sent
 
 
 def test_an_admin_key_beside_one_user_key_turns_the_ram_cache_off(tiny_models):

@@ -288,15 +288,15 @@ class Choice:
                         del index[key]
 
     def doubt(self, namespace: str = "") -> None:
-        """A request of `namespace` went to the child without an id_slot: any slot not leased
-        now may be the one llama-server gives it (an empty one holds nothing to lose, but may
-        hold its KV afterwards)."""
-        leased, maybe = self.leased, self.maybe
+        """A request of `namespace` went to the child without an id_slot: any slot may be the
+        one llama-server gives it (an empty one holds nothing to lose, but may hold its KV
+        afterwards). A leased one too: a slot is idle in the child once its answer is
+        generated, while corral may still relay that answer to a slow reader."""
+        maybe, unsure = self.maybe, self.unsure
         for i, r in enumerate(self.records):
-            if i not in leased:
-                maybe[i].add(namespace)
-                if r is not None:
-                    self.unsure.add(i)
+            maybe[i].add(namespace)
+            if r is not None:
+                unsure.add(i)
 
     def suspect(self, slot: int, namespaces: Iterable[str]) -> None:
         """`slot` was given back while unpinned requests of `namespaces` waited: llama-server

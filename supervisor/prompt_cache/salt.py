@@ -24,7 +24,6 @@ from corral.supervisor.prompt_cache.namespace import Namespaces
 SALTED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
                     "/v1/messages"})
 FIELD = "cache_salt"
-_MARK = b'"cache_salt"'
 
 
 class PrefixSalts:
@@ -45,19 +44,6 @@ class PrefixSalts:
         if not caller or urlsplit(url).path not in SALTED:
             return body
         if isinstance(body, (bytes, bytearray)):
-            if _MARK not in body:
-                if parsed is None:
-                    try:
-                        parsed = json.loads(body)
-                    except ValueError:
-                        return body
-                if not isinstance(parsed, dict):
-                    return body
-                # In front of the object's first member, the body's bytes as they are after
-                # it: no re-encoding of a long prompt.
-                start = body.index(b"{") + 1
-                comma = b"," if parsed else b""
-                return b'{"cache_salt":' + self._quoted(caller) + comma + bytes(body[start:])
             if parsed is None:
                 try:
                     parsed = json.loads(body)
@@ -65,6 +51,12 @@ class PrefixSalts:
                     return body
             if not isinstance(parsed, dict):
                 return body
+            if FIELD not in parsed:  # as parsed: a name written with escapes is the same
+                # In front of the object's first member, the body's bytes as they are after
+                # it: no re-encoding of a long prompt.
+                start = body.index(b"{") + 1
+                comma = b"," if parsed else b""
+                return b'{"cache_salt":' + self._quoted(caller) + comma + bytes(body[start:])
             return compact(self._salted(parsed, caller))
         if isinstance(body, dict):
             return self._salted(body, caller)

@@ -194,6 +194,11 @@ class Slots:
         with `cache_prompt: false`)."""
         try:
             if foreign and not await self._cleared(slot):
+                # The request goes with cache_prompt false, and the child may never run it
+                # (a 400, a hang-up): the slot may still hold the other's KV, whoever's
+                # request comes next (`_unknown`: erased first).
+                self._choice.take(slot, _unknown(record.path))
+                self.unsure.add(slot)
                 return False
             await self._restore(lease, slot, record)
         except BaseException:
