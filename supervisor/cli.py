@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -311,9 +312,12 @@ def _as_worker(loaded: LoadedConfig | None) -> LoadedConfig:
         **config.worker.model_dump(), "enabled": True,
         "token": config.worker.token or os.environ.get("CORRAL_WORKER_TOKEN") or None})
     base = loaded.source.parent.resolve() if loaded and loaded.source else Path.cwd()
-    return resolve(config.model_copy(update={"worker": worker}), base,
-                   loaded.source if loaded else None, loaded.lines if loaded else {},
-                   files=loaded.files if loaded else (), digest=loaded.digest if loaded else "")
+    resolved = resolve(config.model_copy(update={"worker": worker}), base,
+                       loaded.source if loaded else None, loaded.lines if loaded else {},
+                       files=loaded.files if loaded else (),
+                       digest=loaded.digest if loaded else "")
+    # What the load found of the files themselves: a reload refuses an include caught empty.
+    return dataclasses.replace(resolved, empty_files=loaded.empty_files) if loaded else resolved
 
 
 def _reload_loader(args: argparse.Namespace, listen: str) -> Callable[[], LoadedConfig]:
@@ -424,8 +428,10 @@ def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
     base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
     # --models-dir wins over the file's models_dir; its line no longer says where it is.
     lines = {loc: pos for loc, pos in loaded.lines.items() if loc[:1] != ("models_dir",)}
-    return resolve(config, base, loaded.source, lines, files=loaded.files,
-                   digest=loaded.digest)
+    resolved = resolve(config, base, loaded.source, lines, files=loaded.files,
+                       digest=loaded.digest)
+    # What the load found of the files themselves: a reload refuses an include caught empty.
+    return dataclasses.replace(resolved, empty_files=loaded.empty_files)
 
 
 async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, state_file: Path,

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 import yaml
 
 from corral.supervisor.config import parse_config
@@ -108,3 +109,21 @@ def test_a_model_configured_through_a_link_in_the_folder_is_not_found_twice(
     loaded = parse_config("models:\n  chat:\n    model: models/qwen.gguf\n"
                           "    aliases: [qwen]\n", source=tmp_path / "corral.yaml")
     assert set(loaded.models) == {"chat"} and loaded.aliases == {"qwen": "chat"}
+
+
+def test_models_dir_and_worker_flags_keep_what_the_load_found_of_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --models-dir` and `serve --worker` resolve the config again: what the load
+    found of the files themselves (an included file holding no YAML) went missing, so a
+    reload under either flag applied an include caught empty mid-save (its models drained
+    and stopped, to start again at the save's next write) instead of reading it again."""
+    from corral.supervisor.cli import _as_worker, _with_models_dir
+    from corral.supervisor.config import load_config
+
+    (tmp_path / "extra.yaml").write_text("")
+    (tmp_path / "corral.yaml").write_text("include: [extra.yaml]\n")
+    loaded = load_config(tmp_path / "corral.yaml")
+    assert loaded.empty_files
+    monkeypatch.setenv("CORRAL_WORKER_TOKEN", "a-token-of-twenty-chars-or-more")
+    for again in (_with_models_dir(loaded, tmp_path / "m"), _as_worker(loaded)):
+        assert again.empty_files == loaded.empty_files

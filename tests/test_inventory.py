@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from corral.supervisor import discovery, inventory
-from corral.supervisor.config import default_config, parse_config
+from corral.supervisor.config import default_config, load_config, parse_config
 from corral.supervisor.config.watch import models_folder, watch_models_dir
 from corral.supervisor.daemon import Daemon
 from corral.supervisor.discovery import MAX_DEPTH, discover
@@ -422,3 +422,70 @@ def test_a_file_written_slowly_into_the_served_folder_never_fails_to_start(serve
     assert resp.status_code == 200, resp.text
     assert states == [None] * 10
     assert not [e for e in corral.log_events("instance.state") if e["new"] == "failed"]
+
+
+def test_a_config_file_empty_from_the_start_takes_the_models_folder_beside_it(tmp_path):
+    """A config file of comments alone is a config of defaults, its models the folder beside
+    it (docs/paths-and-check.md): a model added there is listed. Every such reload was
+    refused ("the config file is empty"), meant for a file caught empty mid-save."""
+    config = tmp_path / "corral.yaml"
+    config.write_text("# defaults: the models folder beside this file\n")
+    (tmp_path / "models").mkdir()
+
+    async def scenario() -> None:
+        daemon = Daemon(load_config(config), tmp_path / "children.json",
+                        config_loader=lambda: load_config(config))
+        assert not daemon.models
+        write_tiny_llama(tmp_path / "models" / "tiny-a.gguf", seed=1)
+        attempt = await daemon.reload("models_dir")
+        assert attempt.ok and attempt.changes and attempt.changes["added"] == ["tiny-a"], \
+            attempt
+        # One that held something and is found empty is still refused.
+        config.write_text("models_dir: models\n")
+        assert (await daemon.reload("file")).ok
+        config.write_text("")
+        attempt = await daemon.reload("file")
+        assert not attempt.ok and "tiny-a" in daemon.models
+
+    asyncio.run(scenario())
+
+
+def test_a_re_pointed_link_on_the_way_to_the_models_folder_moves_the_watch(tmp_path):
+    """A release switched by re-pointing a link (`ln -sfn releases/v2 current`) on the way to
+    models_dir: the watch stayed on the old release's folder, resolved once, and never saw
+    the new one's files."""
+    old = time.time() - 60
+    for release, name in (("v1", "tiny-a"), ("v2", "tiny-b")):
+        (tmp_path / release / "models").mkdir(parents=True)
+        made = write_tiny_llama(tmp_path / release / "models" / f"{name}.gguf", seed=1)
+        os.utime(made, (old, old))
+    current = tmp_path / "current"
+    current.symlink_to(tmp_path / "v1")
+    folder = current / "models"
+    source = write_tiny_llama(tmp_path / "source.gguf", seed=2)
+    os.utime(source, (old, old))
+
+    def placed(target: Path) -> None:  # renamed into place: settled at once
+        shutil.copy2(source, target.with_name(".part"))
+        os.rename(target.with_name(".part"), target)
+
+    async def scenario() -> None:
+        daemon = Daemon(default_config(folder), tmp_path / "children.json",
+                        config_loader=lambda: default_config(folder))
+        assert set(daemon.models) == {"tiny-a"}
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_models_dir(daemon, stop, settle=1.0))
+        try:
+            placed(tmp_path / "v1" / "models" / "tiny-c.gguf")  # the watch is in place
+            await asyncio.wait_for(_until(lambda: "tiny-c" in daemon.models), 10)
+            link = tmp_path / "current.new"
+            link.symlink_to(tmp_path / "v2")
+            os.replace(link, current)
+            await asyncio.wait_for(_until(lambda: set(daemon.models) == {"tiny-b"}), 10)
+            placed(tmp_path / "v2" / "models" / "tiny-d.gguf")
+            await asyncio.wait_for(_until(lambda: "tiny-d" in daemon.models), 10)
+        finally:
+            stop.set()
+            await asyncio.wait_for(watcher, 5)
+
+    asyncio.run(scenario())

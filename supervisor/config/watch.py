@@ -311,8 +311,11 @@ async def watch_models_dir(daemon: Daemon, stopping: asyncio.Event, step_ms: int
                         # is in place: what changed before it came as no event.
                         in_place = True
                         last = await _reload_if_changed(daemon, folder, last, held)
-                    if daemon.loaded.models_folder != watched:
-                        break  # models_dir changed in the config: watch the new one
+                    if daemon.loaded.models_folder != watched \
+                            or models_folder(daemon.loaded) != folder:
+                        # models_dir changed in the config, or a link on its way was
+                        # re-pointed (a release switched): watch the new folder.
+                        break
                     if not folder.is_dir():
                         break  # removed: its models go with the next listing
                 if stopping.is_set():

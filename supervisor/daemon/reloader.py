@@ -110,9 +110,10 @@ class Reloader:
                 log.exception("daemon.reload_crashed", trigger=trigger)
                 return self._failed(trigger, started,
                                      f"reload failed: {type(exc).__name__}: {exc}")
-            if _is_empty(new):
+            if _emptied_main(new, self._herd.loaded):
                 # Still empty after the grace: not a save caught halfway, yet not a wish to
-                # remove every model either; that is written `models: {}`.
+                # remove every model either; that is written `models: {}`. (A file empty from
+                # the start is a config of defaults: the models folder beside it.)
                 return self._failed(trigger, started,
                                     "the config file is empty; not applied (write `models: {}` "
                                     "to remove every model)", new.files)
@@ -145,7 +146,8 @@ class Reloader:
         # In a thread: parsing a large config must not stall the streams being relayed.
         new = await asyncio.to_thread(self._config_loader)
         waited = 0.0
-        while trigger == "file" and (_is_empty(new) or _emptied(new, self._herd.loaded)) \
+        while trigger == "file" and (_emptied_main(new, self._herd.loaded)
+                                     or _emptied(new, self._herd.loaded)) \
                 and waited < EMPTY_SAVE_GRACE_S:
             await asyncio.sleep(0.05)
             waited += 0.05
@@ -248,6 +250,11 @@ def _emptied(new: LoadedConfig, active: LoadedConfig) -> list[Path]:
     return [path for path in new.files[1:]
             if path in new.empty_files and path in active.files
             and path not in active.empty_files]
+
+
+def _emptied_main(new: LoadedConfig, active: LoadedConfig) -> bool:
+    """The config file holds no YAML now, and held some in the active config."""
+    return _is_empty(new) and not _is_empty(active)
 
 
 def _is_empty(loaded: LoadedConfig) -> bool:
