@@ -557,7 +557,9 @@ class CorralFactory:
             return any(process_listens(pid, port)
                        for pid in (corral.proc.pid, *corral.relay_worker_pids()))
 
-        wait_until(up_or_out, timeout=15)
+        # A bound, not a pace: on a loaded 2-core box Python's start alone took 5 s, and a
+        # daemon that serves answered its /health past 15 s (a subset run beside a full one).
+        wait_until(up_or_out, timeout=45)
         if corral.proc.poll() is None:
             return True
         lost = [e for e in corral.log_events("corral.listen_failed") if "in use" in e["error"]]
