@@ -54,9 +54,10 @@ server.serve_forever()
 # 250 / 7 ms apart: under that schedule their lateness falls in seven phases of the 250 ms
 # gap, so the median round is about 100 ms late whatever the phase of the first (measured:
 # 90-145 ms). Now: within POLL_S (20 ms) for a silent child, a few ms for one that prints its
-# line; BOUND_S leaves the rest to a loaded 2-core box.
+# line; BOUND_S leaves the rest to a loaded 2-core box (a full run with another test run
+# beside it, load 7: a silent child's median 65 ms), below the old schedule's lowest median.
 DELAYS_S = tuple(1.5 + i * 0.25 / 7 for i in range(7))
-BOUND_S = 0.06
+BOUND_S = 0.08
 
 
 @pytest.fixture(scope="module")
