@@ -92,6 +92,18 @@ async def open_child(pool: ChildPool, path: str, model: str, lease: Lease, body:
         "Accept-Encoding": "identity",
         **lease.headers,
     }
+    try:
+        return await _send(pool, path, model, lease, headers, body)
+    except BaseException:
+        # No answer (a hang-up, first_byte_timeout, a dropped connection): the child may
+        # never have run it, and its slot holds what it held before (the prompt cache never
+        # saves that under this request's tokens).
+        lease.refused()
+        raise
+
+
+async def _send(pool: ChildPool, path: str, model: str, lease: Lease,
+                headers: dict[str, str], body: bytes) -> ChildResponse:
     for attempt in (1, 2, 3):
         try:
             response = await pool.post(lease.base_url, path, headers, body,

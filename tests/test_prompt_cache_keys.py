@@ -471,6 +471,42 @@ async def _failed_erase_remembered(tmp_path: Path) -> None:
     assert one.posts == ["/slots/0?action=erase"] and "cache_prompt" not in sent
 
 
+def test_a_request_waits_for_a_file_the_child_is_writing(tmp_path):
+    asyncio.run(_waits_for_the_write(tmp_path))
+
+
+async def _waits_for_the_write(tmp_path: Path) -> None:
+    """A request sent right after a save's own request (on another connection) may be
+    queued first in llama-server: its erase or restore, or its prompt, would then be what the
+    file holds, indexed under the saved conversation's tokens (another key's KV restored
+    for this one later). It waits until the file is written."""
+    child = _Child(PromptCache(tmp_path, PromptCacheConfig, EventBus()), parallel=2)
+    await _send(child, "alice", _conversation("Alice's."))
+    child.saver._writing_began()
+    lease = _Lease()
+    task = asyncio.create_task(child.pin(  # type: ignore[arg-type]
+        lease, BASE + CHAT, _body(_conversation("Bob's.")), caller="bob"))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done() and lease.slot is None and child.posts == []
+    child.saver._writing_ended()
+    sent = json.loads(await asyncio.wait_for(task, 5))
+    assert sent["id_slot"] == lease.slot == 1
+    child.unpin(lease)  # type: ignore[arg-type]
+    # Cancelled while it waits: nothing held, the write's end still seen by the next.
+    child.saver._writing_began()
+    waiting = asyncio.create_task(child.pin(  # type: ignore[arg-type]
+        _Lease(), BASE + CHAT, _body(_conversation("Bob's.")), caller="bob"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert child.saver.request_came() is not None
+    child.saver._writing_ended()
+    assert child.saver.request_came() is None
+
+
 def test_an_admin_key_beside_one_user_key_turns_the_ram_cache_off(tiny_models):
     # Two callers of /v1 (the user key and the admin key), each its own namespace: the
     # child's RAM cache, shared by every caller, is off by default (auto).

@@ -20,10 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from test_prompt_cache import _cold, _conversation, _files, _next_turn, _restored
 from test_prompt_cache_files import _cache, _Child, _record, _saver, _spec
 
+from corral.proxy.child_http import ChildHttpError
+from corral.proxy.errors import UpstreamFailed
+from corral.proxy.forward import open_child
+from corral.supervisor.port import Lease
 from corral.supervisor.prompt_cache.choice import Record
 from corral.supervisor.prompt_cache.store import SUFFIX
 
@@ -248,5 +253,104 @@ def test_an_adapter_replaced_under_its_name_gets_a_new_key(tmp_path: Path,
             again = await cache.setup(spec, binary)
             assert again.key != first.key, path
             first = again
+
+    asyncio.run(run())
+
+
+class _ChangedUnderTheSave(_Child):
+    """A child whose slot was erased (or taken by another request) before its save ran: the
+    file holds fewer tokens than the request the slot was last pinned to."""
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        status, _ = await super().post(path, payload)
+        return status, {"n_saved": 0}
+
+
+def test_a_save_that_holds_fewer_tokens_than_its_request_is_not_indexed(tmp_path: Path) -> None:
+    async def run() -> None:
+        cache = _cache(tmp_path, max_mb=64)
+        child = _ChangedUnderTheSave(cache)
+        child.records[0] = _record()
+        await _saver(child, per_token=1000).at_stop()
+        assert len(child.posts) == 1 and not cache.store.entries and not cache.store.pending
+        assert not list(tmp_path.glob("*" + SUFFIX)) and not list(tmp_path.glob("*.part"))
+
+    asyncio.run(run())
+
+
+def test_a_save_of_unknown_size_over_the_budget_pushes_no_other_file_out(tmp_path: Path) -> None:
+    """With no KV size known (the GGUF not read, no earlier file of the setup) a save is
+    reserved as nothing; one larger than the whole budget pushed out every other file of
+    every model, then itself, and was logged as saved."""
+    async def run() -> None:
+        cache = _cache(tmp_path, max_mb=1)
+        small = _Child(cache)
+        small.per_token = 100  # 50 KB: another model's
+        small.records[0] = _record()
+        await _saver(small, per_token=100).at_stop()
+        kept = set(cache.store.entries)
+        assert len(kept) == 1
+        big = _Child(cache)
+        big.per_token = 4000  # 2 MB, over the 1 MiB budget
+        big.records[0] = _record()
+        saver = _saver(big)
+        saver._per_token, saver._per_token_read = None, True  # unknown
+        await saver.at_stop()
+        assert set(cache.store.entries) == kept and not cache.store.pending
+        assert not list(tmp_path.glob("*.part")) and len(big.posts) == 1
+        # Its size known now: the next save of it is skipped at its reservation.
+        saver = _saver(big)
+        saver._per_token, saver._per_token_read = None, True
+        await saver.at_stop()
+        assert len(big.posts) == 1 and set(cache.store.entries) == kept
+
+    asyncio.run(run())
+
+
+class _Refusing:
+    """Prompt slots that pin to slot 0 and note a refusal."""
+
+    def __init__(self) -> None:
+        self.noted: list[Any] = []
+
+    async def pin(self, lease: Any, url: str, body: Any, parsed: Any, caller: Any) -> Any:
+        lease.slot = 0
+        return body
+
+    def refused(self, lease: Any) -> None:
+        self.noted.append(lease)
+
+
+class _FailingPool:
+    def __init__(self, hang: bool) -> None:
+        self.hang = hang
+
+    async def post(self, *args: Any) -> Any:
+        if self.hang:
+            await asyncio.Event().wait()
+        raise ChildHttpError("the connection was reset")
+
+
+def test_a_request_the_child_never_answered_is_never_saved_as_its_slot() -> None:
+    """A request pinned to a slot that got no answer (a hang-up, first_byte_timeout, a
+    dropped connection) may never have run: its slot holds what it held before, a longer
+    conversation of the same key as a rule, which an idle save indexed under this request's
+    tokens (superseding its real file, and a restore of it reuses little: restores off)."""
+    async def run() -> None:
+        for hang in (False, True):
+            slots = _Refusing()
+            lease = Lease(object(), model="m", instance="m", pid=1, base_url="http://x",
+                          headers={}, first_byte_timeout=None, idle_timeout=None,
+                          ready_since=0.0, prompt_slots=slots)  # type: ignore[arg-type]
+            sending = asyncio.ensure_future(open_child(
+                _FailingPool(hang), "/v1/chat/completions", "m", lease,  # type: ignore[arg-type]
+                b'{"messages": []}', "application/json"))
+            if hang:  # the client hung up while the child had not answered
+                while lease.slot is None:
+                    await asyncio.sleep(0)
+                sending.cancel()
+            with pytest.raises((UpstreamFailed, asyncio.CancelledError)):
+                await sending
+            assert slots.noted == [lease], hang
 
     asyncio.run(run())

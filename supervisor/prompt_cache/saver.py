@@ -45,6 +45,8 @@ class Saver:
         self._last_end = 0.0  # the loop's time when the last request gave its slot back
         self._task: asyncio.Task[None] | None = None
         self._writing = False  # the child is writing a file for the task now
+        # Done once that file is written (or given up on): a request waits for it (Slots.pin).
+        self._written: asyncio.Future[None] | None = None
         self._closed = False
         # The model's KV bytes per token (files.kv_per_token), read once: what a setup's
         # first save is expected to take before any file of it tells. None: unknown.
@@ -80,10 +82,28 @@ class Saver:
             # A fresh context: the request's (its id in every log line) must not follow.
             self._timer = loop.call_later(delay, self._idle, context=contextvars.Context())
 
-    def request_came(self) -> None:
+    def request_came(self) -> asyncio.Future[None] | None:
+        """A request for the child: an idle save not sent to it yet is cancelled (nothing
+        lost); while the child writes a file, what to wait for before the request is sent.
+        llama-server would make the request wait for the save all the same, but only once
+        the save's own request is in its queue: one sent right after it on another
+        connection may be queued first, and the file would then hold what that request (an
+        erase, a restore, another key's prompt) left in the slot, under this one's tokens."""
         task = self._task
         if task is not None and not task.done() and not self._writing:
-            task.cancel()  # nothing sent to the child's disk yet: nothing lost
+            task.cancel()
+        written = self._written
+        return written if written is not None and not written.done() else None
+
+    def _writing_began(self) -> None:
+        self._writing = True
+        self._written = asyncio.get_running_loop().create_future()
+
+    def _writing_ended(self) -> None:
+        self._writing = False
+        if self._written is not None and not self._written.done():
+            self._written.set_result(None)
+        self._written = None
 
     def _idle(self) -> None:
         self._timer = None
@@ -249,7 +269,7 @@ class Saver:
                                  f"request's {len(tokens)}")
             # From the request to the child until the file is in the index, a request that
             # comes does not cancel the save: the file would be written and never found.
-            self._writing = True
+            self._writing_began()
             # The request runs on its own: cut short here (save_timeout, a stop), it still
             # ends when the child answers or goes, and only then is its file deleted (deleted
             # before, the child would write it again under the same name, unseen).
@@ -267,18 +287,28 @@ class Saver:
                 # file of the same conversation).
                 raise OSError(f"slot {slot}: the child wrote {written} bytes, {size} reached "
                               f"the disk (disk full?)")
+            saved = data.get("n_saved")
+            if isinstance(saved, int) and saved < len(tokens):
+                # The slot changed under the save (erased, or another request there first):
+                # the file does not hold the prefix it would be indexed under.
+                raise ValueError(f"slot {slot}: the child saved {saved} tokens, fewer than "
+                                 f"its last request's {len(tokens)}")
             now = time.time()
             store.commit(part, Entry(file=name, key=key, model=slots.model, tokens=tokens,
-                                     n_tokens=int(data.get("n_saved") or len(tokens)),
+                                     n_tokens=int(saved or len(tokens)),
                                      bytes=size, fingerprint=digest, saved_at=now,
                                      last_used=now, head=record.head,
                                      namespace=record.namespace))
             indexed = True
         finally:
-            self._writing = False
+            self._writing_ended()
             if not indexed:
                 if post is None or post.done():
-                    store.release(part)
+                    try:
+                        store.release(part)
+                    except OSError as exc:  # a full disk: not over the error under way
+                        self._log.warning("prompt_cache.partial_not_deleted", file=part,
+                                          error=str(exc))
                 else:
                     post.add_done_callback(lambda done: self._abandoned(done, part))
         self._saved[slot] = record

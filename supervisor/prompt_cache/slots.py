@@ -123,8 +123,11 @@ class Slots:
         """`caller`: who sent it (supervisor.port.CALLER): its namespace decides which saves
         and which slots' KV it may use."""
         # A request for this child: an idle save not yet sent to it waits for the next idle
-        # time (the child would make the request wait for the save).
-        self.saver.request_came()
+        # time; a file the child is writing is finished first (it would make the request
+        # wait for it anyway, once the save is in its queue).
+        writing = self.saver.request_came()
+        if writing is not None:
+            await asyncio.wait([writing])  # not cancelled with this request
         # The relay's URL is this child's base and a path: split only what is not.
         rest = url[len(self._base):]
         path = rest if url.startswith(self._base) and rest[:1] == "/" else urlsplit(url).path

@@ -499,6 +499,14 @@ class Store:
         in one step (no other daemon ever sees a finished file the index does not name)."""
         with self._lock.held():
             self._sync()
+            budget = self._max_bytes()
+            if entry.bytes > budget:
+                # A save of unknown size (reserved as nothing) larger than the whole budget:
+                # indexed, it would push out every other file, then itself. The next save of
+                # this setup knows its size now, and is skipped at its reservation.
+                self._per_token[entry.key] = entry.bytes / max(entry.n_tokens, 1)
+                raise ValueError(f"{entry.bytes / (1 << 20):.0f} MiB written, over the whole "
+                                 f"budget ({budget // (1 << 20)} MiB)")
             # llama-server created it under its umask (0644 as a rule): the conversation is
             # made private before any other daemon can see it indexed.
             os.chmod(self.dir / name, 0o600)
