@@ -36,6 +36,7 @@ from corral.supervisor.config import (
 )
 from corral.supervisor.config.checks import missing_files
 from corral.supervisor.config.checks.cache_ram import cache_ram_warnings
+from corral.supervisor.config.issues import Lines
 from corral.supervisor.config.readable import READABLE_HINT, secrets_readable_by_others
 from corral.supervisor.ctl import fleet
 from corral.supervisor.runtime import Runtime, build_runtime
@@ -303,7 +304,7 @@ def _loader(args: argparse.Namespace) -> Callable[[], LoadedConfig]:
 def _as_worker(loaded: LoadedConfig | None) -> LoadedConfig:
     """`serve --worker`: the config's worker section turned on (its token from the config or
     CORRAL_WORKER_TOKEN); without a config, a worker and nothing else (no models)."""
-    from corral.supervisor.config import Config, resolve
+    from corral.supervisor.config import resolve
     from corral.supervisor.config.schema.rpc import WorkerConfig
 
     config = loaded.config if loaded else Config()
@@ -311,13 +312,21 @@ def _as_worker(loaded: LoadedConfig | None) -> LoadedConfig:
     worker = WorkerConfig.model_validate({
         **config.worker.model_dump(), "enabled": True,
         "token": config.worker.token or os.environ.get("CORRAL_WORKER_TOKEN") or None})
-    base = loaded.source.parent.resolve() if loaded and loaded.source else Path.cwd()
-    resolved = resolve(config.model_copy(update={"worker": worker}), base,
-                       loaded.source if loaded else None, loaded.lines if loaded else {},
-                       files=loaded.files if loaded else (),
-                       digest=loaded.digest if loaded else "")
-    # What the load found of the files themselves: a reload refuses an include caught empty.
-    return dataclasses.replace(resolved, empty_files=loaded.empty_files) if loaded else resolved
+    config = config.model_copy(update={"worker": worker})
+    if loaded is None:
+        return resolve(config, Path.cwd(), None, {})
+    return _resolved_again(loaded, config, loaded.lines)
+
+
+def _resolved_again(loaded: LoadedConfig, config: Config, lines: Lines) -> LoadedConfig:
+    """`config` (the loaded one, changed by a flag) resolved as the load resolved it, with
+    what the load found of the files themselves (a reload refuses an include caught empty)."""
+    from corral.supervisor.config import resolve
+
+    base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
+    resolved = resolve(config, base, loaded.source, lines, files=loaded.files,
+                       digest=loaded.digest)
+    return dataclasses.replace(resolved, empty_files=loaded.empty_files)
 
 
 def _reload_loader(args: argparse.Namespace, listen: str) -> Callable[[], LoadedConfig]:
@@ -422,16 +431,10 @@ def _warn_missing_files(args: argparse.Namespace, loaded: LoadedConfig) -> None:
 
 
 def _with_models_dir(loaded: LoadedConfig, models_dir: Path) -> LoadedConfig:
-    from corral.supervisor.config import resolve
-
     config = loaded.config.model_copy(update={"models_dir": str(models_dir.resolve())})
-    base = loaded.source.parent.resolve() if loaded.source else Path.cwd()
     # --models-dir wins over the file's models_dir; its line no longer says where it is.
     lines = {loc: pos for loc, pos in loaded.lines.items() if loc[:1] != ("models_dir",)}
-    resolved = resolve(config, base, loaded.source, lines, files=loaded.files,
-                       digest=loaded.digest)
-    # What the load found of the files themselves: a reload refuses an include caught empty.
-    return dataclasses.replace(resolved, empty_files=loaded.empty_files)
+    return _resolved_again(loaded, config, lines)
 
 
 async def _run(loaded: LoadedConfig, runtime: Runtime, host: str, port: int, state_file: Path,

@@ -160,7 +160,8 @@ class Lease:
 
     def refused(self) -> None:
         """The child answered this request with an error status (a 400 for a field it does
-        not take, a prompt over its context): it may never have touched the slot, which then
+        not take, a prompt over its context), or never answered it (a hang-up, a timeout, a
+        dropped connection): it may never have touched the slot, which then
         holds what it held before, not this request. The prompt cache never saves that slot
         under this request's tokens (the file would hold another conversation's KV)."""
         if self.slot is not None and self._prompt_slots is not None:

@@ -525,3 +525,26 @@ def test_a_cache_in_the_old_default_place_is_moved_not_lost(monkeypatch, tmp_pat
 
 
 _unused = CorralFactory  # the fixtures' type, named for readers of the signatures above
+
+
+def test_a_request_waits_while_the_child_writes_a_file_and_not_before(tmp_path):
+    asyncio.run(_waits_while_writing(tmp_path))
+
+
+async def _waits_while_writing(tmp_path: Path) -> None:
+    """Slots.pin waits on what request_came returns: something while the child writes a
+    file (a request sent then could reach the slot before the save does), nothing before
+    the save's request goes (the save is cancelled then) nor after the file is written."""
+    cache = _cache(tmp_path, max_mb=64)
+    child = _Child(cache)
+    child.hang = True
+    child.records[0] = _record()
+    saver = _saver(child, per_token=1000)
+    assert saver.request_came() is None
+    stopping = asyncio.create_task(saver.at_stop())
+    await asyncio.wait_for(child.writing.wait(), 5)
+    writing = saver.request_came()
+    assert writing is not None and not writing.done()
+    child.answer.set()
+    await asyncio.wait_for(stopping, 5)
+    assert writing.done() and saver.request_came() is None and len(cache.store.entries) == 1

@@ -44,8 +44,8 @@ class Saver:
         self._timer: asyncio.TimerHandle | None = None
         self._last_end = 0.0  # the loop's time when the last request gave its slot back
         self._task: asyncio.Task[None] | None = None
-        self._writing = False  # the child is writing a file for the task now
-        # Done once that file is written (or given up on): a request waits for it (Slots.pin).
+        # While the child writes a file: done once it is written (or given up on). A request
+        # waits for it (Slots.pin) rather than cancel the save.
         self._written: asyncio.Future[None] | None = None
         self._closed = False
         # The model's KV bytes per token (files.kv_per_token), read once: what a setup's
@@ -89,21 +89,20 @@ class Saver:
         the save's own request is in its queue: one sent right after it on another
         connection may be queued first, and the file would then hold what that request (an
         erase, a restore, another key's prompt) left in the slot, under this one's tokens."""
-        task = self._task
-        if task is not None and not task.done() and not self._writing:
+        written, task = self._written, self._task
+        if written is not None:
+            return written
+        if task is not None and not task.done():
             task.cancel()
-        written = self._written
-        return written if written is not None and not written.done() else None
+        return None
 
     def _writing_began(self) -> None:
-        self._writing = True
         self._written = asyncio.get_running_loop().create_future()
 
     def _writing_ended(self) -> None:
-        self._writing = False
-        if self._written is not None and not self._written.done():
-            self._written.set_result(None)
-        self._written = None
+        written, self._written = self._written, None
+        if written is not None:
+            written.set_result(None)
 
     def _idle(self) -> None:
         self._timer = None

@@ -317,10 +317,11 @@ class Slots:
         self.saver.turn_ended()
 
     def refused(self, lease: Lease) -> None:
-        """The child answered the lease's request with an error: its slot holds what it held
-        before (or a prompt cut short), not that request. Unsure until a request is pinned
-        there again: never saved under the refused request's tokens (Saver.changed). Its KV is
-        the caller's own or nothing (another's was erased before it was sent)."""
+        """The child answered the lease's request with an error, or never answered it: its
+        slot holds what it held before (or a prompt cut short), not that request. Unsure until
+        a request is pinned there again: never saved under the refused request's tokens
+        (Saver.changed). Its KV is the caller's own or nothing (another's was erased before
+        it was sent)."""
         slot = lease.slot
         if slot is not None and self._leased.get(slot) is lease:
             self.unsure.add(slot)
